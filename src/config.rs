@@ -1,0 +1,358 @@
+//! Plugin configuration: the JSON string in Envoy's wasm `configuration`.
+//!
+//! Parsing is strict on purpose: an unknown key is usually a typo that would
+//! silently leave a default in force, so the plugin refuses to start and the
+//! error names the key.
+
+use std::collections::HashSet;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::endpoint::Endpoint;
+
+pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Upper bounds that keep every per-request loop and allocation bounded,
+/// whatever an operator writes.
+pub const MAX_ENDPOINTS: usize = 1024;
+pub const MAX_FALLBACKS: usize = 8;
+pub const MAX_BLOCKS: usize = 4096;
+pub const MAX_INDEX_CAPACITY: usize = 16 * 1024 * 1024;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("configuration is not valid JSON for this plugin: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("configuration is not UTF-8")]
+    NotUtf8,
+    #[error("`endpoints`: {0}")]
+    Endpoints(String),
+    #[error("`destination_header`: `{0}` is not a valid lowercase HTTP header name")]
+    HeaderName(String),
+    #[error("`inference_paths`: {0}")]
+    Paths(String),
+    #[error("`{key}`: {why}")]
+    Range { key: &'static str, why: String },
+}
+
+/// Relative weights of the score terms (see `score`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Weights {
+    /// Cost of one block of prefill the replica would have to do (the part of
+    /// the prompt it doesn't hold).
+    pub prefix: f64,
+    /// Cost of one block of estimated in-flight work on the replica.
+    pub load: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            prefix: 1.0,
+            load: 1.0,
+        }
+    }
+}
+
+/// How load is counted for scoring.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadMeasure {
+    /// Each in-flight request weighs its estimated prefill blocks plus
+    /// `request_cost_blocks`.
+    #[default]
+    Work,
+    /// Each in-flight request weighs `request_cost_blocks`, whatever its size.
+    Requests,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    endpoints: Vec<String>,
+    #[serde(default = "default_header")]
+    destination_header: String,
+    #[serde(default = "default_paths")]
+    inference_paths: Vec<String>,
+    #[serde(default)]
+    max_fallbacks: usize,
+    #[serde(default = "default_max_body")]
+    max_body_bytes: usize,
+    #[serde(default)]
+    debug_header: bool,
+    #[serde(default = "default_block_bytes")]
+    block_bytes: usize,
+    #[serde(default = "default_max_blocks")]
+    max_blocks: usize,
+    #[serde(default = "default_index_capacity")]
+    index_capacity: usize,
+    #[serde(default = "default_index_stride")]
+    index_stride: usize,
+    #[serde(default)]
+    weights: Weights,
+    #[serde(default)]
+    load_measure: LoadMeasure,
+    #[serde(default = "default_request_cost")]
+    request_cost_blocks: u32,
+    #[serde(default = "default_bounded_load")]
+    bounded_load_factor: f64,
+    #[serde(default = "default_tick_ms")]
+    tick_ms: u64,
+}
+
+fn default_header() -> String {
+    DEFAULT_DESTINATION_HEADER.to_string()
+}
+fn default_paths() -> Vec<String> {
+    vec!["/v1/completions".into(), "/v1/chat/completions".into()]
+}
+fn default_max_body() -> usize {
+    16 * 1024 * 1024
+}
+fn default_block_bytes() -> usize {
+    64
+}
+fn default_max_blocks() -> usize {
+    256
+}
+fn default_index_capacity() -> usize {
+    65_536
+}
+fn default_index_stride() -> usize {
+    4
+}
+fn default_request_cost() -> u32 {
+    8
+}
+fn default_bounded_load() -> f64 {
+    1.5
+}
+fn default_tick_ms() -> u64 {
+    100
+}
+
+/// Validated configuration. Fields are only reachable through `parse`, so
+/// the rest of the filter never sees an empty pool or a bad header name.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub endpoints: Vec<Endpoint>,
+    pub destination_header: String,
+    pub inference_paths: Vec<String>,
+    pub max_fallbacks: usize,
+    pub max_body_bytes: usize,
+    pub debug_header: bool,
+    pub block_bytes: usize,
+    pub max_blocks: usize,
+    pub index_capacity: usize,
+    pub index_stride: usize,
+    pub weights: Weights,
+    pub load_measure: LoadMeasure,
+    pub request_cost_blocks: u32,
+    pub bounded_load_factor: f64,
+    pub tick_ms: u64,
+}
+
+impl Config {
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let text = std::str::from_utf8(bytes).map_err(|_| ConfigError::NotUtf8)?;
+        let raw: RawConfig = serde_json::from_str(text)?;
+        let endpoints = parse_endpoints(&raw.endpoints)?;
+        let destination_header = check_header(&raw.destination_header)?;
+        let inference_paths = check_paths(raw.inference_paths)?;
+        range("max_fallbacks", raw.max_fallbacks, 0, MAX_FALLBACKS)?;
+        range("max_body_bytes", raw.max_body_bytes, 1, 1 << 30)?;
+        range("block_bytes", raw.block_bytes, 8, 65_536)?;
+        range("max_blocks", raw.max_blocks, 1, MAX_BLOCKS)?;
+        range("index_capacity", raw.index_capacity, 64, MAX_INDEX_CAPACITY)?;
+        range("index_stride", raw.index_stride, 1, raw.max_blocks)?;
+        range(
+            "request_cost_blocks",
+            raw.request_cost_blocks as usize,
+            0,
+            1 << 20,
+        )?;
+        range("tick_ms", raw.tick_ms as usize, 10, 60_000)?;
+        if !(raw.bounded_load_factor.is_finite() && raw.bounded_load_factor >= 1.0) {
+            return Err(ConfigError::Range {
+                key: "bounded_load_factor",
+                why: format!("{} must be a number >= 1.0", raw.bounded_load_factor),
+            });
+        }
+        for (key, w) in [
+            ("weights.prefix", raw.weights.prefix),
+            ("weights.load", raw.weights.load),
+        ] {
+            if !(w.is_finite() && (0.0..=1000.0).contains(&w)) {
+                return Err(ConfigError::Range {
+                    key,
+                    why: format!("{w} must be between 0 and 1000"),
+                });
+            }
+        }
+        Ok(Config {
+            endpoints,
+            destination_header,
+            inference_paths,
+            max_fallbacks: raw.max_fallbacks,
+            max_body_bytes: raw.max_body_bytes,
+            debug_header: raw.debug_header,
+            block_bytes: raw.block_bytes,
+            max_blocks: raw.max_blocks,
+            index_capacity: raw.index_capacity,
+            index_stride: raw.index_stride,
+            weights: raw.weights,
+            load_measure: raw.load_measure,
+            request_cost_blocks: raw.request_cost_blocks,
+            bounded_load_factor: raw.bounded_load_factor,
+            tick_ms: raw.tick_ms,
+        })
+    }
+
+    /// Exact match on the path without its query string.
+    pub fn is_inference_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or("");
+        self.inference_paths.iter().any(|p| p == path)
+    }
+}
+
+fn range(key: &'static str, v: usize, lo: usize, hi: usize) -> Result<(), ConfigError> {
+    if v < lo || v > hi {
+        return Err(ConfigError::Range {
+            key,
+            why: format!("{v} is outside {lo}..={hi}"),
+        });
+    }
+    Ok(())
+}
+
+fn parse_endpoints(raw: &[String]) -> Result<Vec<Endpoint>, ConfigError> {
+    if raw.is_empty() {
+        return Err(ConfigError::Endpoints("the list is empty".into()));
+    }
+    if raw.len() > MAX_ENDPOINTS {
+        return Err(ConfigError::Endpoints(format!(
+            "{} entries, at most {MAX_ENDPOINTS}",
+            raw.len()
+        )));
+    }
+    let mut seen = HashSet::new();
+    let mut ids = HashSet::new();
+    let mut out = Vec::with_capacity(raw.len());
+    for s in raw {
+        let ep: Endpoint = s
+            .parse()
+            .map_err(|e: crate::endpoint::BadEndpoint| ConfigError::Endpoints(e.to_string()))?;
+        if !seen.insert(ep.as_str().to_string()) {
+            return Err(ConfigError::Endpoints(format!("`{s}` is listed twice")));
+        }
+        if !ids.insert(ep.id()) {
+            return Err(ConfigError::Endpoints(format!(
+                "`{s}` collides with another endpoint's 64-bit id; rename one"
+            )));
+        }
+        out.push(ep);
+    }
+    Ok(out)
+}
+
+/// RFC 7230 token characters, lowercase only: Envoy stores header names in
+/// lowercase, and a name with uppercase would never match.
+fn check_header(name: &str) -> Result<String, ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with(':')
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
+        });
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(ConfigError::HeaderName(name.to_string()))
+    }
+}
+
+fn check_paths(paths: Vec<String>) -> Result<Vec<String>, ConfigError> {
+    if paths.is_empty() {
+        return Err(ConfigError::Paths("the list is empty".into()));
+    }
+    for p in &paths {
+        if !p.starts_with('/') || p.contains('?') || p.len() > 1024 {
+            return Err(ConfigError::Paths(format!(
+                "`{p}` must be an absolute path without a query string"
+            )));
+        }
+    }
+    Ok(paths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(json: &str) -> String {
+        Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::parse(br#"{"endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]}"#).unwrap();
+        assert_eq!(c.endpoints.len(), 2);
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert_eq!(
+            c.inference_paths,
+            vec!["/v1/completions", "/v1/chat/completions"]
+        );
+        assert_eq!(c.max_fallbacks, 0);
+        assert_eq!(c.block_bytes, 64);
+        assert_eq!(c.max_blocks, 256);
+        assert!(!c.debug_header);
+    }
+
+    #[test]
+    fn accepts_ipv6() {
+        let c = Config::parse(br#"{"endpoints": ["[::1]:8000", "[fd00::2]:8001"]}"#).unwrap();
+        assert_eq!(c.endpoints[1].as_str(), "[fd00::2]:8001");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        assert!(err(r#"{"endpoints":["10.0.0.1:1"],"endpoint":[]}"#)
+            .contains("unknown field `endpoint`"));
+        assert!(err(r#"{"endpoints":[]}"#).contains("`endpoints`: the list is empty"));
+        assert!(err(r#"{"endpoints":["10.0.0.1:1","10.0.0.1:1"]}"#).contains("listed twice"));
+        assert!(err(r#"{"endpoints":["host:1"]}"#).contains("`host:1` is not an `ip:port`"));
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"destination_header":"X Bad"}"#)
+                .contains("`destination_header`")
+        );
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"max_fallbacks":99}"#).contains("`max_fallbacks`")
+        );
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"inference_paths":["v1"]}"#)
+                .contains("`inference_paths`")
+        );
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"weights":{"prefix":-1}}"#)
+                .contains("weights.prefix")
+        );
+        assert!(err(r#"{"endpoints":["10.0.0.1:1"],"weights":{"bogus":1}}"#).contains("bogus"));
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"bounded_load_factor":0.5}"#)
+                .contains("bounded_load_factor")
+        );
+        assert!(err(r#"{"endpoints":"10.0.0.1:1"}"#).contains("invalid type"));
+        assert!(err("").contains("JSON"));
+        assert!(Config::parse(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn inference_path_ignores_query() {
+        let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
+        assert!(c.is_inference_path("/v1/completions?x=1"));
+        assert!(c.is_inference_path("/v1/chat/completions"));
+        assert!(!c.is_inference_path("/v1/completions/render"));
+        assert!(!c.is_inference_path("/health"));
+    }
+}

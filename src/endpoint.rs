@@ -1,0 +1,130 @@
+//! A replica address, as written into the destination header.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use thiserror::Error;
+
+/// A replica's stable identity inside shared-data records: a 64-bit FNV-1a
+/// of the canonical `ip:port` text. Records carry ids rather than strings so
+/// they stay small and fixed-width; config loading rejects a colliding set.
+pub type ReplicaId = u64;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("`{value}` is not an `ip:port` address (IPv6 as `[addr]:port`)")]
+pub struct BadEndpoint {
+    pub value: String,
+}
+
+/// A validated replica address. The only way to build one is by parsing, so
+/// the header value written for it is always a canonical socket address.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    addr: SocketAddr,
+    text: String,
+    id: ReplicaId,
+}
+
+impl Endpoint {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Canonical `ip:port` / `[v6]:port`, exactly what Envoy's
+    /// original_dst and override_host policies parse.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    pub fn id(&self) -> ReplicaId {
+        self.id
+    }
+
+    /// A stat-name-safe label (`127_0_0_1_8000`): Envoy splits stat names on
+    /// dots, so the address's own dots and colons can't appear in one.
+    pub fn stat_label(&self) -> String {
+        self.text
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect::<String>()
+            .trim_matches('_')
+            .to_string()
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = BadEndpoint;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let trimmed = s.trim();
+        let addr: SocketAddr = trimmed.parse().map_err(|_| BadEndpoint {
+            value: s.to_string(),
+        })?;
+        if addr.port() == 0 {
+            return Err(BadEndpoint {
+                value: s.to_string(),
+            });
+        }
+        let text = addr.to_string();
+        let id = replica_id(&text);
+        Ok(Endpoint { addr, text, id })
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+pub fn replica_id(canonical: &str) -> ReplicaId {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(canonical.as_bytes());
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ipv4_and_ipv6() {
+        let v4: Endpoint = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(v4.as_str(), "10.0.0.1:8000");
+        let v6: Endpoint = "[::1]:9000".parse().unwrap();
+        assert_eq!(v6.as_str(), "[::1]:9000");
+        assert_eq!(v6.stat_label(), "1__9000");
+        assert_eq!(v4.stat_label(), "10_0_0_1_8000");
+    }
+
+    #[test]
+    fn canonicalises_ipv6_spelling() {
+        let a: Endpoint = "[0:0:0:0:0:0:0:1]:9000".parse().unwrap();
+        let b: Endpoint = "[::1]:9000".parse().unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.id(), b.id());
+    }
+
+    #[test]
+    fn rejects_names_missing_ports_and_port_zero() {
+        for bad in [
+            "",
+            "localhost:8000",
+            "10.0.0.1",
+            "10.0.0.1:0",
+            "::1:80",
+            "10.0.0.1:99999",
+            "10.0.0.1:80,10.0.0.2:80",
+        ] {
+            assert!(bad.parse::<Endpoint>().is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn id_is_a_stable_golden_value() {
+        // FNV-1a 64 of the canonical text; same on wasm32 and x86_64.
+        assert_eq!(replica_id("10.0.0.1:8000"), 10089583200591212301);
+    }
+}

@@ -1,0 +1,226 @@
+//! Per-request context: strip, pause, read the body once, decide, write the
+//! destination header, account the request until its stream ends.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, MapType};
+
+use super::abi;
+use super::root::Worker;
+use super::shared::SharedData;
+use crate::config::DEFAULT_DESTINATION_HEADER;
+use crate::endpoint::ReplicaId;
+use crate::request;
+use crate::route::{Choice, Hashed};
+
+const DEBUG_HEADER: &str = "x-prefix-router-debug";
+
+pub struct Http {
+    worker: Option<Rc<RefCell<Worker>>>,
+    /// Set once the destination header is written: (replica, work added).
+    routed: Option<(ReplicaId, u64)>,
+    debug: Option<String>,
+    waiting_for_body: bool,
+}
+
+impl Http {
+    pub fn new(worker: Option<Rc<RefCell<Worker>>>) -> Http {
+        Http {
+            worker,
+            routed: None,
+            debug: None,
+            waiting_for_body: false,
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    /// Decide and write the header. `body` is the complete request body when
+    /// there is one worth parsing.
+    fn route(&mut self, body: Option<&[u8]>) {
+        let Some(worker) = self.worker.clone() else {
+            return;
+        };
+        let mut guard = worker.borrow_mut();
+        let w = &mut *guard;
+        let cfg = &w.router.config;
+        let hashed = match body {
+            Some(b) => match request::extract(b, cfg.block_bytes * cfg.max_blocks) {
+                Ok(prompt) => Hashed::of(&prompt, cfg),
+                Err(e) => {
+                    // Debug level: a client sending junk must not flood logs.
+                    log::debug!("prefix-router: unparsable inference body: {e}");
+                    w.stats.parse_errors.inc();
+                    Hashed::default()
+                }
+            },
+            None => Hashed::default(),
+        };
+        let now = super::now_ms();
+        let choice = w.router.decide(&SharedData, &hashed, now);
+        let Some(&first) = choice.order.first() else {
+            return;
+        };
+        let Some(ep) = w.router.endpoint(first).cloned() else {
+            return;
+        };
+        let value = w.router.header_value(&choice);
+        if let Err(status) =
+            abi::replace_header(MapType::HttpRequestHeaders, &cfg.destination_header, &value)
+        {
+            log::warn!(
+                "prefix-router: could not set `{}`: status {status}",
+                cfg.destination_header
+            );
+            w.stats.header_write_errors.inc();
+            return;
+        }
+        let rec = w
+            .router
+            .commit(&SharedData, &mut w.board, &choice, &hashed, now);
+        self.routed = Some((ep.id(), choice.work));
+        self.count(w, &choice, ep.id(), rec);
+        if cfg.debug_header {
+            self.debug = Some(w.router.explain(&choice));
+        }
+    }
+
+    fn count(&self, w: &Worker, c: &Choice, id: ReplicaId, rec: crate::index::RecordStats) {
+        let s = &w.stats;
+        s.requests.inc();
+        s.decision(c.reason).inc();
+        if c.blocks > 0 {
+            s.request_blocks.record(c.blocks as u64);
+            s.matched_blocks.record(c.matched as u64);
+            s.request_blocks_total.add(c.blocks as i64);
+            s.matched_blocks_total.add(c.matched as i64);
+        }
+        if let Some(r) = s.replica(id) {
+            r.routed.inc();
+            r.inflight.add(1);
+        }
+        s.index_entries.add(rec.inserted as i64);
+        s.index_evictions.add(rec.evicted as i64);
+        s.index_cas_retries.add(rec.cas_retries as i64);
+        s.index_write_failures.add(rec.failed as i64);
+    }
+
+    fn body_limit(&self) -> usize {
+        self.worker
+            .as_ref()
+            .map(|w| w.borrow().router.config.max_body_bytes)
+            .unwrap_or(0)
+    }
+}
+
+impl Context for Http {}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        // First, before anything can fail: a client never picks the upstream.
+        let name = self
+            .worker
+            .as_ref()
+            .map(|w| w.borrow().router.config.destination_header.clone())
+            .unwrap_or_else(|| DEFAULT_DESTINATION_HEADER.to_string());
+        if self.header(&name).is_some() {
+            if let Some(w) = &self.worker {
+                w.borrow().stats.client_destination_stripped.inc();
+            }
+        }
+        if abi::remove_header(MapType::HttpRequestHeaders, &name).is_err() {
+            log::warn!("prefix-router: could not strip `{name}`");
+        }
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let is_inference = {
+            let w = worker.borrow();
+            let post = self
+                .header(":method")
+                .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
+            post && self
+                .header(":path")
+                .is_some_and(|p| w.router.config.is_inference_path(&p))
+        };
+        if end_of_stream || !is_inference {
+            self.route(None);
+            return Action::Continue;
+        }
+        // Hold the headers until the body is complete; needs
+        // `allow_on_headers_stop_iteration: true` in the plugin config.
+        self.waiting_for_body = true;
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if !self.waiting_for_body {
+            return Action::Continue;
+        }
+        if size > self.body_limit() {
+            // Too big to parse: route on load alone, stop buffering.
+            if let Some(w) = &self.worker {
+                w.borrow().stats.body_too_large.inc();
+            }
+            self.waiting_for_body = false;
+            self.route(None);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.waiting_for_body = false;
+        let body = hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.route(Some(&body));
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        if self.waiting_for_body {
+            // Trailers end the stream: the buffered body is complete.
+            self.waiting_for_body = false;
+            let body = hostcalls::get_buffer(
+                proxy_wasm::types::BufferType::HttpRequestBody,
+                0,
+                self.body_limit(),
+            )
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+            self.route(Some(&body));
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
+        // Whatever an upstream or client put there, only ours goes out.
+        let _ = abi::remove_header(MapType::HttpResponseHeaders, DEBUG_HEADER);
+        if let Some(d) = &self.debug {
+            let _ = abi::replace_header(MapType::HttpResponseHeaders, DEBUG_HEADER, d);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // Runs once per stream however it ended (done, reset, error), so
+        // in-flight accounting can't leak.
+        let (Some((id, work)), Some(w)) = (self.routed.take(), &self.worker) else {
+            return;
+        };
+        let mut w = w.borrow_mut();
+        w.board.finish(&SharedData, id, work, super::now_ms());
+        if let Some(r) = w.stats.replica(id) {
+            r.inflight.add(-1);
+        }
+    }
+}

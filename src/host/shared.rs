@@ -1,0 +1,23 @@
+//! `Store` over proxy-wasm shared data (one map per `vm_id`, shared by
+//! every VM in the Envoy process).
+
+use proxy_wasm::hostcalls;
+
+use super::abi;
+use crate::store::{Store, StoreError};
+
+pub struct SharedData;
+
+impl Store for SharedData {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        match abi::set_shared_data(key, value, cas.unwrap_or(0)) {
+            Ok(()) => Ok(()),
+            Err(abi::CAS_MISMATCH) => Err(StoreError::CasMismatch),
+            Err(status) => Err(StoreError::Host(format!("status {status}"))),
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! In-flight work per replica, counted across all Envoy workers.
+//!
+//! Each worker VM owns one slot key (`prefix-router/load/<n>`) and is its
+//! only writer, so counting never contends; readers sum the fresh slots.
+//! A slot carries a heartbeat: when a VM dies (or is reloaded) its counts
+//! stop being fresh and drop out of the sum, so a crashed worker can't leak
+//! in-flight counts forever, and its slot is reused by the next VM.
+
+use std::collections::BTreeMap;
+use std::collections::HashMap;
+
+use crate::endpoint::ReplicaId;
+use crate::store::{update, Reader, Store};
+
+const VERSION: u8 = 1;
+const SLOTS_KEY: &str = "prefix-router/load/slots";
+/// Bound on slot keys: more VMs than this share no counts (logged).
+pub const MAX_SLOTS: u32 = 256;
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Load {
+    pub requests: u32,
+    /// Estimated outstanding work, in prefix blocks (see `score`).
+    pub work: u64,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Slot {
+    owner: u64,
+    heartbeat_ms: u64,
+    loads: Vec<(ReplicaId, Load)>,
+}
+
+fn slot_key(i: u32) -> String {
+    format!("prefix-router/load/{i}")
+}
+
+fn encode(s: &Slot) -> Vec<u8> {
+    let mut out = Vec::with_capacity(21 + s.loads.len() * 20);
+    out.push(VERSION);
+    out.extend_from_slice(&s.owner.to_le_bytes());
+    out.extend_from_slice(&s.heartbeat_ms.to_le_bytes());
+    out.extend_from_slice(&(s.loads.len() as u32).to_le_bytes());
+    for (id, l) in &s.loads {
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&l.requests.to_le_bytes());
+        out.extend_from_slice(&l.work.to_le_bytes());
+    }
+    out
+}
+
+/// Malformed → `None`: a corrupt slot is ignored, never trusted.
+fn decode(buf: &[u8]) -> Option<Slot> {
+    let mut r = Reader::new(buf);
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let owner = r.u64()?;
+    let heartbeat_ms = r.u64()?;
+    let n = r.u32()? as usize;
+    if n > crate::config::MAX_ENDPOINTS * 4 {
+        return None;
+    }
+    let mut loads = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = r.u64()?;
+        let requests = r.u32()?;
+        let work = r.u64()?;
+        loads.push((id, Load { requests, work }));
+    }
+    r.is_empty().then_some(Slot {
+        owner,
+        heartbeat_ms,
+        loads,
+    })
+}
+
+/// One VM's view: its own counts (authoritative) and its slot.
+pub struct LoadBoard {
+    owner: u64,
+    slot: Option<u32>,
+    local: BTreeMap<ReplicaId, Load>,
+    stale_ms: u64,
+}
+
+impl LoadBoard {
+    /// `owner` must be unique per VM (random); `stale_ms` is how long a slot
+    /// without heartbeat still counts.
+    pub fn new(owner: u64, stale_ms: u64) -> Self {
+        LoadBoard {
+            owner,
+            slot: None,
+            local: BTreeMap::new(),
+            stale_ms,
+        }
+    }
+
+    pub fn local(&self, id: ReplicaId) -> Load {
+        self.local.get(&id).copied().unwrap_or_default()
+    }
+
+    pub fn slot(&self) -> Option<u32> {
+        self.slot
+    }
+
+    pub fn start<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
+        let l = self.local.entry(id).or_default();
+        l.requests = l.requests.saturating_add(1);
+        l.work = l.work.saturating_add(work);
+        self.publish(store, now_ms);
+    }
+
+    pub fn finish<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
+        if let Some(l) = self.local.get_mut(&id) {
+            l.requests = l.requests.saturating_sub(1);
+            l.work = l.work.saturating_sub(work);
+            if l.requests == 0 {
+                self.local.remove(&id);
+            }
+        }
+        self.publish(store, now_ms);
+    }
+
+    /// Called on the timer: keeps the slot fresh while the VM lives.
+    pub fn heartbeat<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
+        if self.slot.is_some() || !self.local.is_empty() {
+            self.publish(store, now_ms);
+        }
+    }
+
+    /// Write our counts to our slot, claiming one first if needed. If a peer
+    /// took our slot (we looked dead), claim another: our local counts are
+    /// the truth and move with us.
+    fn publish<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
+        for _ in 0..2 {
+            let Some(slot) = self.slot.or_else(|| self.claim(store, now_ms)) else {
+                return;
+            };
+            self.slot = Some(slot);
+            let record = encode(&Slot {
+                owner: self.owner,
+                heartbeat_ms: now_ms,
+                loads: self.local.iter().map(|(k, v)| (*k, *v)).collect(),
+            });
+            let mut stolen = false;
+            let _ = update(store, &slot_key(slot), 4, |old| {
+                stolen = old.and_then(decode).is_some_and(|s| s.owner != self.owner);
+                (!stolen).then(|| record.clone())
+            });
+            if !stolen {
+                return;
+            }
+            log::info!("load slot {slot} was taken over by another VM; claiming a new one");
+            self.slot = None;
+        }
+    }
+
+    /// Take the first slot that is free or whose owner stopped heartbeating;
+    /// else append a new one (bounded by `MAX_SLOTS`).
+    fn claim<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> Option<u32> {
+        let known = slot_count(store);
+        let mine = encode(&Slot {
+            owner: self.owner,
+            heartbeat_ms: now_ms,
+            loads: Vec::new(),
+        });
+        for i in 0..known {
+            let (value, cas) = store.get(&slot_key(i));
+            let free = match value.as_deref().map(decode) {
+                None | Some(None) => true,
+                Some(Some(s)) => now_ms.saturating_sub(s.heartbeat_ms) > self.stale_ms,
+            };
+            if free
+                && store
+                    .set(&slot_key(i), &mine, Some(cas.unwrap_or(0)))
+                    .is_ok()
+            {
+                return Some(i);
+            }
+        }
+        let mut got = None;
+        let _ = update(store, SLOTS_KEY, 16, |old| {
+            let n = old.map(read_u32).unwrap_or(0);
+            got = (n < MAX_SLOTS).then_some(n);
+            got.map(|n| (n + 1).to_le_bytes().to_vec())
+        });
+        match got {
+            Some(i) => {
+                let _ = store.set(&slot_key(i), &mine, None);
+                Some(i)
+            }
+            None => {
+                log::warn!("all {MAX_SLOTS} load slots are live; this VM's load is not shared");
+                None
+            }
+        }
+    }
+}
+
+fn read_u32(b: &[u8]) -> u32 {
+    Reader::new(b).u32().unwrap_or(0).min(MAX_SLOTS)
+}
+
+pub fn slot_count<S: Store + ?Sized>(store: &S) -> u32 {
+    store.get(SLOTS_KEY).0.as_deref().map(read_u32).unwrap_or(0)
+}
+
+/// Sum of every fresh slot: the pool's in-flight work right now.
+pub fn snapshot<S: Store + ?Sized>(
+    store: &S,
+    now_ms: u64,
+    stale_ms: u64,
+) -> HashMap<ReplicaId, Load> {
+    let mut out: HashMap<ReplicaId, Load> = HashMap::new();
+    for i in 0..slot_count(store) {
+        let Some(slot) = store.get(&slot_key(i)).0.as_deref().and_then(decode) else {
+            continue;
+        };
+        if now_ms.saturating_sub(slot.heartbeat_ms) > stale_ms {
+            continue;
+        }
+        for (id, l) in slot.loads {
+            let t = out.entry(id).or_default();
+            t.requests = t.requests.saturating_add(l.requests);
+            t.work = t.work.saturating_add(l.work);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    #[test]
+    fn workers_counts_add_up_and_drain_to_zero() {
+        let s = MemStore::new();
+        let mut w1 = LoadBoard::new(1, 1000);
+        let mut w2 = LoadBoard::new(2, 1000);
+        w1.start(&s, 10, 5, 0);
+        w2.start(&s, 10, 7, 0);
+        w2.start(&s, 20, 1, 0);
+        assert_ne!(w1.slot(), w2.slot());
+        let snap = snapshot(&s, 1, 1000);
+        assert_eq!(
+            snap[&10],
+            Load {
+                requests: 2,
+                work: 12
+            }
+        );
+        assert_eq!(snap[&20].requests, 1);
+        w1.finish(&s, 10, 5, 2);
+        w2.finish(&s, 10, 7, 2);
+        w2.finish(&s, 20, 1, 2);
+        assert!(snapshot(&s, 3, 1000).is_empty());
+    }
+
+    #[test]
+    fn a_dead_workers_counts_expire_and_its_slot_is_reused() {
+        let s = MemStore::new();
+        let mut dead = LoadBoard::new(1, 1000);
+        dead.start(&s, 10, 5, 0);
+        assert_eq!(snapshot(&s, 500, 1000)[&10].requests, 1);
+        assert!(snapshot(&s, 1500, 1000).is_empty());
+        let mut next = LoadBoard::new(2, 1000);
+        next.start(&s, 11, 1, 1500);
+        assert_eq!(next.slot(), dead.slot());
+        assert_eq!(slot_count(&s), 1);
+    }
+
+    #[test]
+    fn a_vm_whose_slot_was_taken_moves_with_its_counts() {
+        let s = MemStore::new();
+        let mut slow = LoadBoard::new(1, 1000);
+        slow.start(&s, 10, 5, 0);
+        // Looked dead at t=2000, so a new VM took slot 0.
+        let mut fresh = LoadBoard::new(2, 1000);
+        fresh.start(&s, 11, 1, 2000);
+        assert_eq!(fresh.slot(), Some(0));
+        slow.heartbeat(&s, 2001);
+        assert_eq!(slow.slot(), Some(1));
+        let snap = snapshot(&s, 2002, 1000);
+        assert_eq!(snap[&10].requests, 1);
+        assert_eq!(snap[&11].requests, 1);
+    }
+
+    #[test]
+    fn finish_without_start_never_underflows() {
+        let s = MemStore::new();
+        let mut w = LoadBoard::new(1, 1000);
+        w.finish(&s, 10, 5, 0);
+        assert_eq!(w.local(10), Load::default());
+    }
+
+    #[test]
+    fn corrupt_slots_are_ignored() {
+        let s = MemStore::new();
+        s.set(SLOTS_KEY, &2u32.to_le_bytes(), None).unwrap();
+        s.set(&slot_key(0), &[VERSION, 1, 2, 3], None).unwrap();
+        s.set(&slot_key(1), b"garbage", None).unwrap();
+        assert!(snapshot(&s, 0, 1000).is_empty());
+        let good = encode(&Slot {
+            owner: 1,
+            heartbeat_ms: 2,
+            loads: vec![(
+                3,
+                Load {
+                    requests: 4,
+                    work: 5,
+                },
+            )],
+        });
+        for cut in 0..good.len() {
+            assert!(decode(&good[..cut]).is_none());
+        }
+        assert!(decode(&good).is_some());
+    }
+}

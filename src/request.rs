@@ -1,0 +1,406 @@
+//! OpenAI-style request bodies → model name and the prompt as one byte
+//! string, rendered the way it reaches the model server's prompt (tools
+//! first, then messages in order).
+//!
+//! Only the first `cap` bytes of the rendered prompt are kept: the prefix
+//! window is all routing needs, so a 16 MB prompt costs a parse but never a
+//! 16 MB copy.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Longest model name kept; longer names are cut (they only seed hashes).
+const MAX_MODEL_BYTES: usize = 256;
+
+#[derive(Debug, Error)]
+pub enum ParseError {
+    #[error("body is not a JSON object of the expected shape: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("body has none of `prompt`, `messages` or `input`")]
+    NoPrompt,
+}
+
+/// What routing needs from a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    pub model: String,
+    /// Part of the hash seed, like vLLM's `cache_salt`: requests with
+    /// different salts must not be considered to share a cache.
+    pub cache_salt: Option<String>,
+    /// Rendered prompt, at most `cap` bytes.
+    pub text: Vec<u8>,
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt: Option<PromptField<'a>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
+    #[serde(default)]
+    functions: Option<serde_json::Value>,
+    #[serde(borrow, default)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    input: Option<InputField<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField<'a> {
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
+    #[serde(borrow)]
+    Texts(Vec<Cow<'a, str>>),
+    Tokens(Vec<i64>),
+    TokenBatch(Vec<Vec<i64>>),
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+    #[serde(default)]
+    tool_calls: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
+    #[serde(borrow)]
+    Parts(Vec<Part<'a>>),
+}
+
+/// A content part. Non-text parts (images, audio) have no `text` and are
+/// skipped: their bytes don't identify a text prefix.
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum InputField<'a> {
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
+    #[serde(borrow)]
+    Items(Vec<InputItem<'a>>),
+}
+
+#[derive(Deserialize)]
+struct InputItem<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+    #[serde(borrow, default)]
+    arguments: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    output: Option<Cow<'a, str>>,
+}
+
+/// Parse a body and render its prompt, keeping at most `cap` bytes.
+pub fn extract(body: &[u8], cap: usize) -> Result<Prompt, ParseError> {
+    let b: Body = serde_json::from_slice(body)?;
+    let mut out = Render::new(cap);
+    if let Some(messages) = &b.messages {
+        render_tools(&mut out, b.tools.as_ref(), b.functions.as_ref());
+        for m in messages {
+            out.message(
+                m.role.as_deref().unwrap_or(""),
+                m.content.as_ref(),
+                m.tool_calls.as_ref(),
+            );
+        }
+    } else if let Some(p) = &b.prompt {
+        render_prompt(&mut out, p);
+    } else if b.input.is_some() || b.instructions.is_some() {
+        render_tools(&mut out, b.tools.as_ref(), None);
+        if let Some(i) = &b.instructions {
+            out.message("instructions", Some(&Content::Text(Cow::Borrowed(i))), None);
+        }
+        match &b.input {
+            Some(InputField::Text(t)) => out.message("user", Some(&Content::Text(t.clone())), None),
+            Some(InputField::Items(items)) => {
+                for it in items {
+                    let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
+                    out.message(role, it.content.as_ref(), None);
+                    for extra in [&it.arguments, &it.output].into_iter().flatten() {
+                        out.message(role, Some(&Content::Text(extra.clone())), None);
+                    }
+                }
+            }
+            None => {}
+        }
+    } else {
+        return Err(ParseError::NoPrompt);
+    }
+    Ok(Prompt {
+        model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
+        cache_salt: b
+            .cache_salt
+            .map(|s| truncate_str(&s, MAX_MODEL_BYTES).to_string()),
+        text: out.buf,
+    })
+}
+
+fn render_prompt(out: &mut Render, p: &PromptField) {
+    match p {
+        PromptField::Text(t) => out.push(t.as_bytes()),
+        PromptField::Texts(ts) => {
+            for (i, t) in ts.iter().enumerate() {
+                if i > 0 {
+                    out.push(b"\n");
+                }
+                out.push(t.as_bytes());
+            }
+        }
+        PromptField::Tokens(ids) => out.tokens(ids),
+        PromptField::TokenBatch(batch) => {
+            for (i, ids) in batch.iter().enumerate() {
+                if i > 0 {
+                    out.push(b"\n");
+                }
+                out.tokens(ids);
+            }
+        }
+    }
+}
+
+fn render_tools(
+    out: &mut Render,
+    tools: Option<&serde_json::Value>,
+    funcs: Option<&serde_json::Value>,
+) {
+    for v in [tools, funcs].into_iter().flatten() {
+        if out.full() {
+            return;
+        }
+        // serde_json's map is ordered by key, so the same tools in any key
+        // order render to the same bytes.
+        let text = v.to_string();
+        out.message("tools", Some(&Content::Text(Cow::Owned(text))), None);
+    }
+}
+
+/// A byte sink that stops growing at `cap`.
+struct Render {
+    buf: Vec<u8>,
+    cap: usize,
+}
+
+impl Render {
+    fn new(cap: usize) -> Self {
+        Render {
+            buf: Vec::with_capacity(cap.min(64 * 1024)),
+            cap,
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.buf.len() >= self.cap
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let room = self.cap.saturating_sub(self.buf.len());
+        let take = bytes.len().min(room);
+        self.buf.extend_from_slice(&bytes[..take]);
+    }
+
+    fn tokens(&mut self, ids: &[i64]) {
+        for (i, id) in ids.iter().enumerate() {
+            if self.full() {
+                return;
+            }
+            if i > 0 {
+                self.push(b" ");
+            }
+            self.push(id.to_string().as_bytes());
+        }
+    }
+
+    /// One chat message: `\x1e role \x1f length : content`. The length
+    /// prefix makes the encoding unambiguous (no content can fake a message
+    /// boundary), and a conversation's rendering is a prefix of the
+    /// rendering of the same conversation with more turns.
+    fn message(
+        &mut self,
+        role: &str,
+        content: Option<&Content>,
+        tool_calls: Option<&serde_json::Value>,
+    ) {
+        if self.full() {
+            return;
+        }
+        let calls = tool_calls.map(|v| v.to_string()).unwrap_or_default();
+        let len = content_len(content) + calls.len();
+        self.push(b"\x1e");
+        self.push(role.as_bytes());
+        self.push(b"\x1f");
+        self.push(len.to_string().as_bytes());
+        self.push(b":");
+        match content {
+            Some(Content::Text(t)) => self.push(t.as_bytes()),
+            Some(Content::Parts(parts)) => {
+                for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                    self.push(t.as_bytes());
+                }
+            }
+            None => {}
+        }
+        self.push(calls.as_bytes());
+    }
+}
+
+fn content_len(c: Option<&Content>) -> usize {
+    match c {
+        Some(Content::Text(t)) => t.len(),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .filter_map(|p| p.text.as_deref())
+            .map(str::len)
+            .sum(),
+        None => 0,
+    }
+}
+
+fn truncate_str(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(body: &str) -> Vec<u8> {
+        extract(body.as_bytes(), 1 << 20).unwrap().text
+    }
+
+    #[test]
+    fn completions_prompt_forms() {
+        assert_eq!(text(r#"{"model":"m","prompt":"hello"}"#), b"hello");
+        assert_eq!(text(r#"{"prompt":["a","b"]}"#), b"a\nb");
+        assert_eq!(text(r#"{"prompt":[1,22,333]}"#), b"1 22 333");
+        assert_eq!(text(r#"{"prompt":[[1,2],[3]]}"#), b"1 2\n3");
+        let p = extract(br#"{"model":"llama","prompt":"x","cache_salt":"s1"}"#, 10).unwrap();
+        assert_eq!(p.model, "llama");
+        assert_eq!(p.cache_salt.as_deref(), Some("s1"));
+    }
+
+    #[test]
+    fn chat_renders_roles_lengths_and_text_parts() {
+        let t = text(
+            r#"{"messages":[{"role":"system","content":"be brief"},
+            {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"!"}]}]}"#,
+        );
+        assert_eq!(t, b"\x1esystem\x1f8:be brief\x1euser\x1f3:hi!");
+    }
+
+    #[test]
+    fn message_splits_hash_differently() {
+        let one = text(r#"{"messages":[{"role":"user","content":"ab"}]}"#);
+        let two =
+            text(r#"{"messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#);
+        assert_ne!(one, two);
+        // Content can't forge a boundary: the length prefix covers it.
+        let forged = text(r#"{"messages":[{"role":"user","content":"a\u001euser\u001f1:b"}]}"#);
+        assert_ne!(forged, two);
+    }
+
+    #[test]
+    fn history_is_a_prefix_of_the_next_turn() {
+        let t1 = text(r#"{"messages":[{"role":"user","content":"q1"}]}"#);
+        let t2 = text(
+            r#"{"messages":[{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#,
+        );
+        assert!(t2.starts_with(&t1));
+    }
+
+    #[test]
+    fn tools_come_first_in_canonical_order() {
+        let a = text(
+            r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{}}}],"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        let b = text(
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"function":{"parameters":{},"name":"f"},"type":"function"}]}"#,
+        );
+        assert_eq!(a, b);
+        assert!(a.starts_with(b"\x1etools\x1f"));
+    }
+
+    #[test]
+    fn responses_api_instructions_then_input() {
+        let t = text(r#"{"model":"m","instructions":"sys","input":"hello"}"#);
+        assert_eq!(t, b"\x1einstructions\x1f3:sys\x1euser\x1f5:hello");
+        let t =
+            text(r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"hey"}]}]}"#);
+        assert_eq!(t, b"\x1euser\x1f3:hey");
+    }
+
+    #[test]
+    fn cap_bounds_the_rendering() {
+        let big = format!(r#"{{"prompt":"{}"}}"#, "a".repeat(100_000));
+        let p = extract(big.as_bytes(), 1000).unwrap();
+        assert_eq!(p.text.len(), 1000);
+        let toks = format!("{{\"prompt\":[{}]}}", vec!["12345"; 10_000].join(","));
+        assert_eq!(extract(toks.as_bytes(), 100).unwrap().text.len(), 100);
+    }
+
+    #[test]
+    fn bad_bodies_are_errors_not_panics() {
+        for bad in [
+            &b""[..],
+            b"not json",
+            b"[]",
+            b"{}",
+            b"{\"prompt\": 5}",
+            b"{\"messages\": \"x\"}",
+            b"{\"messages\": [5]}",
+            b"{\"model\": 7, \"prompt\": \"x\"}",
+            b"\xff\xfe",
+        ] {
+            assert!(
+                extract(bad, 100).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Deep nesting where we parse: serde_json's depth limit answers.
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        let body = format!(r#"{{"prompt":{deep}}}"#);
+        assert!(extract(body.as_bytes(), 100).is_err());
+        // Deep nesting in a field we skip is walked without recursion.
+        let body = format!(r#"{{"prompt":"x","extra":{deep}}}"#);
+        assert_eq!(extract(body.as_bytes(), 100).unwrap().text, b"x");
+    }
+
+    #[test]
+    fn long_model_names_are_cut_on_char_boundaries() {
+        let body = format!(r#"{{"model":"{}","prompt":"x"}}"#, "é".repeat(200));
+        let p = extract(body.as_bytes(), 10).unwrap();
+        assert!(p.model.len() <= MAX_MODEL_BYTES);
+        assert!(p.model.chars().all(|c| c == 'é'));
+    }
+}

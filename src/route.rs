@@ -1,0 +1,282 @@
+//! One routing decision end to end, host-independent: prompt → block
+//! hashes → index lookup + pool load → ranking → destination header value;
+//! then `commit` records the pick (in-flight work, index entries).
+
+use crate::config::Config;
+use crate::endpoint::Endpoint;
+use crate::index::{Matches, PrefixIndex, RecordStats};
+use crate::load::{self, LoadBoard};
+use crate::prefix;
+use crate::request::Prompt;
+use crate::score::{self, Candidate, Ranked, Reason, ScoreParams};
+use crate::store::Store;
+
+/// How many blocks feed the placement hash of a new prefix: deep enough to
+/// get past a shared system prompt, shallow enough that requests of one
+/// document group agree (2 KiB with the default 64-byte blocks).
+const PLACEMENT_BLOCKS: usize = 32;
+
+pub struct Router {
+    pub config: Config,
+    index: PrefixIndex,
+    params: ScoreParams,
+    stale_ms: u64,
+}
+
+/// A request's prefix, hashed once and kept until the stream ends.
+#[derive(Debug, Default, Clone)]
+pub struct Hashed {
+    pub blocks: Vec<u64>,
+}
+
+impl Hashed {
+    pub fn of(prompt: &Prompt, cfg: &Config) -> Hashed {
+        let seed = prefix::seed(&prompt.model, prompt.cache_salt.as_deref());
+        Hashed {
+            blocks: prefix::block_hashes(seed, &prompt.text, cfg.block_bytes, cfg.max_blocks),
+        }
+    }
+
+    fn placement(&self) -> u64 {
+        match self.blocks.len() {
+            0 => 0,
+            n => self.blocks[n.min(PLACEMENT_BLOCKS) - 1],
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Choice {
+    /// Endpoint indices, best first; never empty while the pool isn't.
+    pub order: Vec<usize>,
+    pub reason: Reason,
+    pub blocks: u32,
+    /// Blocks the primary pick holds, and when it last stamped them.
+    pub matched: u32,
+    pub stamped: u32,
+    /// Work this request adds to its replica (removed when it ends).
+    pub work: u64,
+    pub ranked: Ranked,
+    pub matches: Matches,
+}
+
+impl Router {
+    pub fn new(config: Config) -> Router {
+        let params = ScoreParams {
+            weights: config.weights.clone(),
+            load_measure: config.load_measure,
+            request_cost_blocks: config.request_cost_blocks,
+            bounded_load_factor: config.bounded_load_factor,
+        };
+        // A slot is dead after 10 missed heartbeats (and never sooner than
+        // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
+        let stale_ms = (config.tick_ms * 10).max(2000);
+        Router {
+            index: PrefixIndex::new(config.index_capacity, config.index_stride),
+            params,
+            stale_ms,
+            config,
+        }
+    }
+
+    pub fn stale_ms(&self) -> u64 {
+        self.stale_ms
+    }
+
+    pub fn endpoint(&self, i: usize) -> Option<&Endpoint> {
+        self.config.endpoints.get(i)
+    }
+
+    /// Rank the pool for a request (`hashed` empty when there's no prompt).
+    pub fn decide<S: Store + ?Sized>(&self, store: &S, hashed: &Hashed, now_ms: u64) -> Choice {
+        let matches = if hashed.blocks.is_empty() {
+            Matches::default()
+        } else {
+            self.index.lookup(store, &hashed.blocks)
+        };
+        let loads = load::snapshot(store, now_ms, self.stale_ms);
+        let cands: Vec<Candidate> = self
+            .config
+            .endpoints
+            .iter()
+            .map(|e| Candidate {
+                id: e.id(),
+                matched: matches.get(e.id()),
+                load: loads.get(&e.id()).copied().unwrap_or_default(),
+            })
+            .collect();
+        let blocks = hashed.blocks.len() as u32;
+        let ranked = score::rank(&cands, blocks, hashed.placement(), &self.params);
+        let (matched, stamped) = ranked
+            .order
+            .first()
+            .and_then(|&i| matches.blocks.get(&cands[i].id))
+            .copied()
+            .unwrap_or((0, 0));
+        Choice {
+            order: ranked.order.clone(),
+            reason: ranked.reason,
+            blocks,
+            matched,
+            stamped,
+            work: self.params.work_of(blocks, matched),
+            ranked,
+            matches,
+        }
+    }
+
+    /// The destination header value: the pick, then up to `max_fallbacks`
+    /// next-best replicas, comma-separated (override_host retries in order).
+    pub fn header_value(&self, choice: &Choice) -> String {
+        choice
+            .order
+            .iter()
+            .take(1 + self.config.max_fallbacks)
+            .filter_map(|&i| self.endpoint(i))
+            .map(Endpoint::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Record the pick: in-flight work now, index entries for its prefix.
+    pub fn commit<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        board: &mut LoadBoard,
+        choice: &Choice,
+        hashed: &Hashed,
+        now_ms: u64,
+    ) -> RecordStats {
+        let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
+            return RecordStats::default();
+        };
+        board.start(store, ep.id(), choice.work, now_ms);
+        if hashed.blocks.is_empty() {
+            return RecordStats::default();
+        }
+        let now_s = (now_ms / 1000) as u32;
+        self.index.record(
+            store,
+            &hashed.blocks,
+            ep.id(),
+            choice.matched,
+            choice.stamped,
+            now_s,
+        )
+    }
+
+    /// A human-readable account of the decision, for the debug header.
+    pub fn explain(&self, choice: &Choice) -> String {
+        let pick = choice.order.first().and_then(|&i| self.endpoint(i));
+        let costs: Vec<String> = choice
+            .order
+            .iter()
+            .filter_map(|&i| {
+                let e = self.endpoint(i)?;
+                let cost = choice.ranked.costs.get(i)?;
+                Some(format!(
+                    "{}={:.1}/{}",
+                    e.as_str(),
+                    cost,
+                    choice.matches.get(e.id())
+                ))
+            })
+            .collect();
+        format!(
+            "replica={}; reason={}; matched={}/{}; cost/matched: {}",
+            pick.map(Endpoint::as_str).unwrap_or("-"),
+            choice.reason.as_str(),
+            choice.matched,
+            choice.blocks,
+            costs.join(" ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::extract;
+    use crate::store::MemStore;
+
+    fn router(extra: &str) -> Router {
+        let json = format!(
+            r#"{{"endpoints":["10.0.0.1:80","10.0.0.2:80","10.0.0.3:80","10.0.0.4:80"]{extra}}}"#
+        );
+        Router::new(Config::parse(json.as_bytes()).unwrap())
+    }
+
+    fn hashed(r: &Router, body: &str) -> Hashed {
+        Hashed::of(&extract(body.as_bytes(), 1 << 20).unwrap(), &r.config)
+    }
+
+    fn doc(group: usize, q: usize) -> String {
+        let prefix = format!("Document {group}: ").repeat(200);
+        format!(r#"{{"model":"m","prompt":"{prefix} Question {q}?"}}"#)
+    }
+
+    #[test]
+    fn a_group_sticks_to_one_replica_and_groups_spread() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let mut homes = Vec::new();
+        for g in 0..20 {
+            let mut picks = Vec::new();
+            for q in 0..10 {
+                let h = hashed(&r, &doc(g, q));
+                let c = r.decide(&s, &h, 1000);
+                if q > 0 {
+                    assert_eq!(c.reason, Reason::PrefixHit);
+                }
+                r.commit(&s, &mut board, &c, &h, 1000);
+                board.finish(&s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
+                picks.push(c.order[0]);
+            }
+            assert!(picks.iter().all(|&p| p == picks[0]), "group {g}: {picks:?}");
+            homes.push(picks[0]);
+        }
+        let used: std::collections::HashSet<_> = homes.iter().collect();
+        assert_eq!(used.len(), 4, "groups spread over the pool: {homes:?}");
+    }
+
+    #[test]
+    fn header_lists_fallbacks_best_first() {
+        let r = router(r#","max_fallbacks":2"#);
+        let s = MemStore::new();
+        let c = r.decide(&s, &Hashed::default(), 0);
+        let v = r.header_value(&c);
+        let parts: Vec<&str> = v.split(',').collect();
+        assert_eq!(parts.len(), 3);
+        assert!(parts
+            .iter()
+            .all(|p| r.config.endpoints.iter().any(|e| e.as_str() == *p)));
+        assert_eq!(c.reason, Reason::NoPrompt);
+    }
+
+    #[test]
+    fn in_flight_work_steers_requests_without_prompts() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let c = r.decide(&s, &Hashed::default(), 0);
+            r.commit(&s, &mut board, &c, &Hashed::default(), 0);
+            seen.push(c.order[0]);
+        }
+        seen.sort();
+        assert_eq!(seen, vec![0, 1, 2, 3], "each idle replica gets one");
+    }
+
+    #[test]
+    fn explain_names_the_pick() {
+        let r = router("");
+        let s = MemStore::new();
+        let h = hashed(&r, &doc(1, 1));
+        let c = r.decide(&s, &h, 0);
+        let text = r.explain(&c);
+        assert!(text.starts_with(&format!("replica={}", r.endpoint(c.order[0]).unwrap())));
+        assert!(text.contains("reason=new_prefix"));
+    }
+}

@@ -1,0 +1,292 @@
+//! Where the decision is made: rank the eligible replicas for one request.
+//!
+//! Every replica gets an estimated cost in one unit, prefix blocks of
+//! work: the prefill it would have to do for this request (the blocks it
+//! doesn't hold) plus the work already in flight on it. Cache affinity and
+//! load are then traded in the same currency, instead of a hand-tuned sum
+//! of unrelated ratios. On top of that:
+//! - bounded load: a replica above `bounded_load_factor` x the pool's mean
+//!   load gets no prefix credit, so a hot prefix spills to the next replica
+//!   (which then learns it) instead of stampeding one;
+//! - placement: candidates whose cost is within one request's constant of
+//!   the best are ties, broken by rendezvous hashing on the request's
+//!   placement hash, so every worker and every Envoy instance puts a new
+//!   prefix on the same replica when loads are (nearly) equal.
+
+use crate::config::{LoadMeasure, Weights};
+use crate::endpoint::ReplicaId;
+use crate::load::Load;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub id: ReplicaId,
+    /// Leading blocks of this request the replica holds.
+    pub matched: u32,
+    pub load: Load,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The pick holds the longest cached prefix of the request.
+    PrefixHit,
+    /// Another replica holds more of the prefix but is too loaded.
+    LoadSpill,
+    /// Nobody holds any of the prefix: placed by load and rendezvous.
+    NewPrefix,
+    /// No prompt to hash (no body, not an inference path, parse error).
+    NoPrompt,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::PrefixHit => "prefix_hit",
+            Reason::LoadSpill => "load_spill",
+            Reason::NewPrefix => "new_prefix",
+            Reason::NoPrompt => "no_prompt",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ScoreParams {
+    pub weights: Weights,
+    pub load_measure: LoadMeasure,
+    pub request_cost_blocks: u32,
+    pub bounded_load_factor: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranked {
+    /// Indices into the candidate slice, best first.
+    pub order: Vec<usize>,
+    /// Cost per candidate (same indexing as the input), for the debug header.
+    pub costs: Vec<f64>,
+    pub reason: Reason,
+}
+
+impl ScoreParams {
+    /// A request's load contribution on a replica where it matched
+    /// `matched` of `blocks` (what `LoadBoard::start` records).
+    pub fn work_of(&self, blocks: u32, matched: u32) -> u64 {
+        let base = self.request_cost_blocks as u64;
+        match self.load_measure {
+            LoadMeasure::Work => base + blocks.saturating_sub(matched) as u64,
+            LoadMeasure::Requests => base,
+        }
+    }
+
+    fn load_of(&self, l: &Load) -> f64 {
+        match self.load_measure {
+            LoadMeasure::Work => l.work as f64,
+            LoadMeasure::Requests => l.requests as f64 * self.request_cost_blocks.max(1) as f64,
+        }
+    }
+}
+
+/// Rank `cands` for a request of `blocks` prefix blocks. `placement` is the
+/// request's placement hash (0 when it has none). Empty input → empty order.
+pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -> Ranked {
+    if cands.is_empty() {
+        return Ranked {
+            order: Vec::new(),
+            costs: Vec::new(),
+            reason: Reason::NoPrompt,
+        };
+    }
+    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
+    let mean = loads.iter().sum::<f64>() / cands.len() as f64;
+    // The slack of one request keeps an idle pool from treating the first
+    // request on a replica as "above the mean".
+    let bound = p.bounded_load_factor * mean + p.request_cost_blocks.max(1) as f64;
+    let costs: Vec<f64> = cands
+        .iter()
+        .zip(&loads)
+        .map(|(c, &load)| {
+            let credit = if load <= bound {
+                c.matched.min(blocks)
+            } else {
+                0
+            };
+            p.weights.prefix * blocks.saturating_sub(credit) as f64 + p.weights.load * load
+        })
+        .collect();
+    let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let band = p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON);
+    let mut order: Vec<usize> = (0..cands.len()).collect();
+    order.sort_by(|&a, &b| {
+        let tie_a = costs[a] - best < band;
+        let tie_b = costs[b] - best < band;
+        tie_b
+            .cmp(&tie_a)
+            .then_with(|| {
+                if tie_a && tie_b {
+                    std::cmp::Ordering::Equal
+                } else {
+                    costs[a].total_cmp(&costs[b])
+                }
+            })
+            .then_with(|| {
+                rendezvous(placement, cands[b].id).cmp(&rendezvous(placement, cands[a].id))
+            })
+    });
+    let reason = reason(cands, &order, blocks);
+    Ranked {
+        order,
+        costs,
+        reason,
+    }
+}
+
+fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
+    if blocks == 0 {
+        return Reason::NoPrompt;
+    }
+    let longest = cands.iter().map(|c| c.matched).max().unwrap_or(0);
+    let picked = order.first().map(|&i| cands[i].matched).unwrap_or(0);
+    if longest == 0 {
+        Reason::NewPrefix
+    } else if picked >= longest {
+        Reason::PrefixHit
+    } else {
+        Reason::LoadSpill
+    }
+}
+
+/// Highest-random-weight hashing: each (key, replica) pair gets a weight,
+/// the highest wins. Adding a replica moves only the keys it now wins
+/// (about 1/N of them).
+pub fn rendezvous(key: u64, replica: ReplicaId) -> u64 {
+    // splitmix64 finaliser over the pair: well mixed, portable.
+    let mut z = key ^ replica.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> ScoreParams {
+        ScoreParams {
+            weights: Weights::default(),
+            load_measure: LoadMeasure::Work,
+            request_cost_blocks: 8,
+            bounded_load_factor: 1.5,
+        }
+    }
+
+    fn cand(id: u64, matched: u32, requests: u32, work: u64) -> Candidate {
+        Candidate {
+            id,
+            matched,
+            load: Load { requests, work },
+        }
+    }
+
+    #[test]
+    fn idle_pool_goes_to_the_prefix_holder() {
+        let c = [cand(1, 0, 0, 0), cand(2, 100, 0, 0), cand(3, 20, 0, 0)];
+        let r = rank(&c, 128, 42, &params());
+        assert_eq!(r.order[0], 1);
+        assert_eq!(r.reason, Reason::PrefixHit);
+        assert_eq!(r.order[1], 2, "next best holds some of it");
+    }
+
+    #[test]
+    fn least_work_wins_without_a_prompt() {
+        let c = [cand(1, 0, 3, 30), cand(2, 0, 1, 9), cand(3, 0, 2, 20)];
+        let r = rank(&c, 0, 0, &params());
+        assert_eq!(r.order, vec![1, 2, 0]);
+        assert_eq!(r.reason, Reason::NoPrompt);
+    }
+
+    #[test]
+    fn bounded_load_spills_a_hot_prefix() {
+        // Replica 0 holds the prefix but carries most of the pool's work.
+        let c = [cand(1, 128, 20, 300), cand(2, 0, 1, 10), cand(3, 0, 1, 10)];
+        let r = rank(&c, 130, 7, &params());
+        assert_ne!(r.order[0], 0);
+        assert_eq!(r.reason, Reason::LoadSpill);
+        // ...and a second holder is preferred over a cold replica.
+        let c = [
+            cand(1, 128, 20, 300),
+            cand(2, 128, 1, 10),
+            cand(3, 0, 1, 10),
+        ];
+        assert_eq!(rank(&c, 130, 7, &params()).order[0], 1);
+    }
+
+    #[test]
+    fn work_measure_sees_long_prefills() {
+        // Same request counts; replica 0 is prefilling three 8k documents.
+        let c = [cand(1, 0, 3, 3 * 136), cand(2, 0, 3, 3 * 9)];
+        assert_eq!(rank(&c, 4, 1, &params()).order[0], 1);
+        let mut p = params();
+        p.load_measure = LoadMeasure::Requests;
+        // Request counting can't tell them apart: placement alone decides,
+        // so both replicas get picked across keys.
+        let picks: std::collections::HashSet<usize> =
+            (0..64).map(|k| rank(&c, 4, k, &p).order[0]).collect();
+        assert_eq!(picks.len(), 2);
+    }
+
+    #[test]
+    fn new_prefix_placement_agrees_across_callers() {
+        let c = [
+            cand(1, 0, 0, 0),
+            cand(2, 0, 0, 0),
+            cand(3, 0, 0, 0),
+            cand(4, 0, 0, 0),
+        ];
+        let mut hits = [0u32; 4];
+        for key in 0..4000u64 {
+            let a = rank(&c, 10, key, &params());
+            // A second router with the same view decides the same.
+            let b = rank(&c, 10, key, &params());
+            assert_eq!(a.order[0], b.order[0]);
+            assert_eq!(a.reason, Reason::NewPrefix);
+            hits[a.order[0]] += 1;
+        }
+        assert!(hits.iter().all(|&h| (800..1200).contains(&h)), "{hits:?}");
+    }
+
+    #[test]
+    fn small_load_differences_do_not_break_placement() {
+        let even = [cand(1, 0, 0, 0), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let skew = [cand(1, 0, 0, 3), cand(2, 0, 0, 0), cand(3, 0, 0, 5)];
+        for key in 0..100 {
+            assert_eq!(
+                rank(&even, 10, key, &params()).order[0],
+                rank(&skew, 10, key, &params()).order[0]
+            );
+        }
+    }
+
+    #[test]
+    fn adding_a_replica_moves_about_one_in_n() {
+        let ids3 = [cand(1, 0, 0, 0), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let ids4 = [
+            cand(1, 0, 0, 0),
+            cand(2, 0, 0, 0),
+            cand(3, 0, 0, 0),
+            cand(4, 0, 0, 0),
+        ];
+        let mut moved = 0;
+        for key in 0..4000u64 {
+            let a = ids3[rank(&ids3, 10, key, &params()).order[0]].id;
+            let b = ids4[rank(&ids4, 10, key, &params()).order[0]].id;
+            if a != b {
+                assert_eq!(b, 4, "a key moved between old replicas");
+                moved += 1;
+            }
+        }
+        assert!((800..1200).contains(&moved), "moved {moved} of 4000");
+    }
+
+    #[test]
+    fn empty_pool_ranks_nothing() {
+        assert!(rank(&[], 10, 1, &params()).order.is_empty());
+    }
+}

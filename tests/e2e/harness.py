@@ -1,0 +1,296 @@
+"""Process and HTTP helpers for the Envoy end-to-end tests.
+
+Everything started here is owned by a context manager that kills it by pid
+on exit, pass or fail. Only loopback addresses are used, on free ports.
+"""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "prefix_router.wasm"
+ENVOY_DIR = ROOT / "envoy"
+HEADER = "x-gateway-destination-endpoint"
+
+
+def envoy_bin() -> str:
+    venv = ROOT / ".venv" / "bin" / "envoy"
+    return str(venv) if venv.exists() else "envoy"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------
+# Backends: tiny OpenAI-shaped servers that say who served.
+
+
+class Backend:
+    """A loopback HTTP server in a thread, recording what it received."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        backend = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _serve(self):
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n) if n else b""
+                with backend.lock:
+                    backend.requests.append(
+                        {
+                            "method": self.command,
+                            "path": self.path,
+                            "headers": {k.lower(): v for k, v in self.headers.items()},
+                            "dest": self.headers.get_all(HEADER) or [],
+                            "body_len": len(body),
+                        }
+                    )
+                delay = backend.delay_s + int(self.headers.get("x-test-delay-ms") or 0) / 1000
+                if delay:
+                    time.sleep(delay)
+                stream = b'"stream": true' in body or b'"stream":true' in body
+                if stream:
+                    chunks = [
+                        "data: " + json.dumps({"choices": [{"index": 0, "text": t}]}) + "\n\n"
+                        for t in ("a", "b")
+                    ]
+                    payload = ("".join(chunks) + "data: [DONE]\n\n").encode()
+                    ctype = "text/event-stream"
+                else:
+                    payload = json.dumps({"served_by": backend.port, "len": len(body)}).encode()
+                    ctype = "application/json"
+                self.send_response(200)
+                self.send_header("content-type", ctype)
+                self.send_header("x-served-by", str(backend.port))
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = _serve
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.addr = f"127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def count(self) -> int:
+        with self.lock:
+            return len(self.requests)
+
+
+@contextlib.contextmanager
+def backends(n: int, **kw):
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(Backend(**kw)) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------
+# Envoy
+
+
+def render_config(
+    mode: str,
+    plugin: dict | str,
+    pool: list[str],
+    listen_port: int,
+    admin_port: int,
+    buffer_limit: int | None = None,
+) -> dict:
+    """Load envoy/<mode>.yaml and point it at our ports, module and pool."""
+    name = {"original_dst": "envoy.yaml", "override_host": "envoy-override-host.yaml"}[mode]
+    cfg = yaml.safe_load((ENVOY_DIR / name).read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen_port
+    if buffer_limit:
+        listener["per_connection_buffer_limit_bytes"] = buffer_limit
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm = hcm["http_filters"][0]["typed_config"]["config"]
+    wasm["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    wasm["configuration"]["value"] = plugin if isinstance(plugin, str) else json.dumps(plugin)
+    cluster = cfg["static_resources"]["clusters"][0]
+    if mode == "override_host":
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {
+                "endpoint": {
+                    "address": {
+                        "socket_address": {
+                            "address": a.rsplit(":", 1)[0].strip("[]"),
+                            "port_value": int(a.rsplit(":", 1)[1]),
+                        }
+                    }
+                }
+            }
+            for a in pool
+        ]
+    return cfg
+
+
+class Envoy:
+    """A real Envoy process; killed by pid on exit."""
+
+    def __init__(self, config: dict, concurrency: int = 2, expect_start: bool = True):
+        self.config = config
+        self.concurrency = concurrency
+        self.expect_start = expect_start
+        self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
+        self.port = config["static_resources"]["listeners"][0]["address"]["socket_address"][
+            "port_value"
+        ]
+        self.dir = tempfile.TemporaryDirectory(prefix="prefix-router-e2e-")
+        self.log_path = Path(self.dir.name) / "envoy.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        cfg_path = Path(self.dir.name) / "envoy.yaml"
+        cfg_path.write_text(yaml.safe_dump(self.config))
+        self.proc = subprocess.Popen(
+            [
+                envoy_bin(),
+                "-c",
+                str(cfg_path),
+                "--concurrency",
+                str(self.concurrency),
+                "--disable-hot-restart",
+                "-l",
+                "info",
+                "--log-path",
+                str(self.log_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        if self.expect_start:
+            self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout: float = 30.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                            return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"envoy not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float = 30.0) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.dir.cleanup()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges from the admin endpoint, by name."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats", timeout=5) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                name, _, value = line.partition(": ")
+                if value.strip().lstrip("-").isdigit():
+                    out[name] = int(value)
+            return out
+
+    def stat(self, suffix: str) -> int:
+        """Sum of the stats whose name ends with `suffix`."""
+        return sum(v for k, v in self.stats().items() if k.endswith(suffix))
+
+
+# --------------------------------------------------------------------------
+# Client
+
+
+def request(
+    port: int,
+    method: str = "POST",
+    path: str = "/v1/completions",
+    body: bytes | dict | None = None,
+    headers: list[tuple[str, str]] | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, dict, bytes]:
+    """One request on a fresh connection (so connections spread over workers)."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in headers or []:
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("content-type", "application/json")
+            conn.putheader("content-length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+    finally:
+        conn.close()
+
+
+def completion(prompt: str, stream: bool = False, model: str = "m") -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream}
+
+
+def chat(messages: list[tuple[str, str]], stream: bool = False, model: str = "m") -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": r, "content": c} for r, c in messages],
+        "max_tokens": 4,
+        "stream": stream,
+    }
