@@ -48,8 +48,11 @@ pub struct Weights {
 
 impl Default for Weights {
     fn default() -> Self {
+        // A cached prefix is worth more than the prefill it saves once: the
+        // group's next requests hit it too. 2:1 keeps a hot prefix on few
+        // replicas until load really differs (see score.rs).
         Weights {
-            prefix: 1.0,
+            prefix: 2.0,
             load: 1.0,
         }
     }
@@ -97,6 +100,8 @@ struct RawConfig {
     request_cost_blocks: u32,
     #[serde(default = "default_bounded_load")]
     bounded_load_factor: f64,
+    #[serde(default = "default_bounded_slack")]
+    bounded_load_slack_blocks: u32,
     #[serde(default = "default_tick_ms")]
     tick_ms: u64,
 }
@@ -128,6 +133,9 @@ fn default_request_cost() -> u32 {
 fn default_bounded_load() -> f64 {
     1.5
 }
+fn default_bounded_slack() -> u32 {
+    64
+}
 fn default_tick_ms() -> u64 {
     100
 }
@@ -150,6 +158,7 @@ pub struct Config {
     pub load_measure: LoadMeasure,
     pub request_cost_blocks: u32,
     pub bounded_load_factor: f64,
+    pub bounded_load_slack_blocks: u32,
     pub tick_ms: u64,
 }
 
@@ -171,6 +180,12 @@ impl Config {
             raw.request_cost_blocks as usize,
             0,
             1 << 20,
+        )?;
+        range(
+            "bounded_load_slack_blocks",
+            raw.bounded_load_slack_blocks as usize,
+            0,
+            1 << 24,
         )?;
         range("tick_ms", raw.tick_ms as usize, 10, 60_000)?;
         if !(raw.bounded_load_factor.is_finite() && raw.bounded_load_factor >= 1.0) {
@@ -205,6 +220,7 @@ impl Config {
             load_measure: raw.load_measure,
             request_cost_blocks: raw.request_cost_blocks,
             bounded_load_factor: raw.bounded_load_factor,
+            bounded_load_slack_blocks: raw.bounded_load_slack_blocks,
             tick_ms: raw.tick_ms,
         })
     }

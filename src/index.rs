@@ -224,7 +224,8 @@ impl PrefixIndex {
             if rlo == 0 {
                 continue;
             }
-            let ts = p.get(rlo - 1)
+            let ts = p
+                .get(rlo - 1)
                 .and_then(|e| e.holders.iter().find(|h| h.0 == id).map(|h| h.1))
                 .unwrap_or(0);
             m.blocks.insert(id, ((cps[rlo - 1] + 1) as u32, ts));

@@ -17,6 +17,7 @@ pub mod config;
 pub mod endpoint;
 pub mod index;
 pub mod load;
+pub mod metrics;
 pub mod prefix;
 pub mod request;
 pub mod route;

@@ -67,6 +67,7 @@ impl Router {
             load_measure: config.load_measure,
             request_cost_blocks: config.request_cost_blocks,
             bounded_load_factor: config.bounded_load_factor,
+            bounded_load_slack: config.bounded_load_slack_blocks,
         };
         // A slot is dead after 10 missed heartbeats (and never sooner than
         // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
@@ -238,6 +239,33 @@ mod tests {
         }
         let used: std::collections::HashSet<_> = homes.iter().collect();
         assert_eq!(used.len(), 4, "groups spread over the pool: {homes:?}");
+    }
+
+    #[test]
+    fn a_hot_prefix_spills_to_a_second_replica_before_a_third() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let mut used = Vec::new();
+        // Requests of one 8 KiB document (about 2,000 tokens, 128 blocks)
+        // that all stay in flight.
+        let long = format!("Document seven: {}", "lorem ipsum dolor ".repeat(460));
+        for q in 0..40 {
+            let body = format!(r#"{{"model":"m","prompt":"{long} Question {q}?"}}"#);
+            let h = hashed(&r, &body);
+            let c = r.decide(&s, &h, 1000);
+            r.commit(&s, &mut board, &c, &h, 1000);
+            if !used.contains(&c.order[0]) {
+                used.push(c.order[0]);
+            }
+            // Holding the prefix is worth 2 x 128 blocks of cost: two holders
+            // absorb about 25 in-flight requests before a third copy pays.
+            if q < 20 {
+                assert!(used.len() <= 2, "third replica after {q} requests");
+            }
+        }
+        assert!(used.len() >= 2, "never spilled: {used:?}");
+        assert!(used.len() <= 4);
     }
 
     #[test]

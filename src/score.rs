@@ -54,6 +54,9 @@ pub struct ScoreParams {
     pub load_measure: LoadMeasure,
     pub request_cost_blocks: u32,
     pub bounded_load_factor: f64,
+    /// Absolute headroom (blocks) under which no replica counts as
+    /// overloaded: at low load, the cost comparison alone decides.
+    pub bounded_load_slack: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -96,9 +99,9 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
     }
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
     let mean = loads.iter().sum::<f64>() / cands.len() as f64;
-    // The slack of one request keeps an idle pool from treating the first
-    // request on a replica as "above the mean".
-    let bound = p.bounded_load_factor * mean + p.request_cost_blocks.max(1) as f64;
+    // The slack keeps a lightly loaded pool from treating a replica with a
+    // few requests as "above the mean".
+    let bound = p.bounded_load_factor * mean + p.bounded_load_slack as f64;
     let costs: Vec<f64> = cands
         .iter()
         .zip(&loads)
@@ -174,6 +177,7 @@ mod tests {
             load_measure: LoadMeasure::Work,
             request_cost_blocks: 8,
             bounded_load_factor: 1.5,
+            bounded_load_slack: 64,
         }
     }
 

@@ -1,0 +1,1 @@
+//! Model-server metrics (Prometheus text) → replica load. (In progress.)

@@ -1,0 +1,106 @@
+"""Prefix-aware routing in a real Envoy with 4 workers: groups stick to a
+replica, groups spread, a hot prefix spills to one more replica (not all),
+and a growing multi-turn conversation stays put."""
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from harness import Envoy, backends, chat, completion, free_port, render_config, request
+
+
+def start(pool, concurrency=4, **extra):
+    plugin = {"endpoints": pool, "debug_header": True, **extra}
+    cfg = render_config("override_host", plugin, pool, free_port(), free_port())
+    return Envoy(cfg, concurrency=concurrency)
+
+
+def doc(group: int) -> str:
+    # About 4 KiB (64 blocks) of document text per group.
+    return f"Document {group} about topic {group * 7919 % 1000}. " + (
+        f"Paragraph of group {group} with facts and figures. " * 80
+    )
+
+
+def test_groups_stick_to_one_replica_and_spread_over_the_pool():
+    with backends(4) as bs, start([b.addr for b in bs]) as envoy:
+        home = {}
+        for g in range(20):
+            status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q0?"))
+            assert status == 200
+            home[g] = headers["x-served-by"]
+
+        work = [(g, q) for q in range(1, 10) for g in range(20)]
+
+        def send(item):
+            g, q = item
+            status, headers, _ = request(envoy.port, body=completion(doc(g) + f" Q{q}?"))
+            return g, status, headers
+
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(send, work))
+        by_group = defaultdict(Counter)
+        for g, status, headers in results:
+            assert status == 200
+            by_group[g][headers["x-served-by"]] += 1
+            assert "reason=prefix_hit" in headers["x-prefix-router-debug"], headers
+        for g, served in by_group.items():
+            assert served == Counter({home[g]: 9}), (g, home[g], served)
+        assert len(set(home.values())) == 4, f"groups did not spread: {Counter(home.values())}"
+        # All 4 workers took part, so the index really was shared.
+        stats = envoy.stats()
+        workers = [v for k, v in stats.items() if ".worker_" in k and k.endswith("downstream_cx_total")]
+        assert len(workers) == 4 and sum(1 for v in workers if v > 0) >= 3, workers
+        assert envoy.stat("prefix_router.decision.prefix_hit") == 180
+        assert envoy.stat("prefix_router.decision.new_prefix") == 20
+
+
+def test_a_hot_prefix_spills_to_a_second_replica_not_a_third():
+    with backends(4) as bs, start([b.addr for b in bs]) as envoy:
+        hot = "Hot system prompt shared by everyone. " + "Policy text. " * 600  # ~8 KiB
+
+        def send(i):
+            return request(
+                envoy.port,
+                body=completion(hot + f" question {i}?"),
+                headers=[("x-test-delay-ms", "3000")],
+                timeout=20,
+            )
+
+        ex = ThreadPoolExecutor(10)
+        futures = []
+        for i in range(10):
+            futures.append(ex.submit(send, i))
+            time.sleep(0.1)  # each decision sees the previous ones in flight
+        served = Counter()
+        for f in futures:
+            status, headers, _ = f.result()
+            assert status == 200
+            served[headers["x-served-by"]] += 1
+        ex.shutdown()
+        assert len(served) == 2, served
+        assert min(served.values()) >= 3, served
+        assert envoy.stat("prefix_router.decision.load_spill") >= 1
+
+
+def test_multi_turn_conversations_stay_on_their_replica():
+    with backends(4) as bs, start([b.addr for b in bs]) as envoy:
+        convs = {
+            c: [("system", f"You are assistant number {c}. " + "Follow the house rules. " * 20)]
+            for c in range(3)
+        }
+        homes = defaultdict(list)
+        for turn in range(8):
+            for c, history in convs.items():
+                history.append(("user", f"Turn {turn} question from conversation {c}?"))
+                status, headers, _ = request(
+                    envoy.port, path="/v1/chat/completions", body=chat(history, stream=turn % 2 == 0)
+                )
+                assert status == 200
+                homes[c].append(headers["x-served-by"])
+                if turn > 0:
+                    assert "reason=prefix_hit" in headers["x-prefix-router-debug"]
+                history.append(("assistant", f"Answer {turn} for {c}. " * 5))
+        for c, served in homes.items():
+            assert len(set(served)) == 1, (c, served)
