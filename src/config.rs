@@ -10,6 +10,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::endpoint::Endpoint;
+pub use crate::metrics::Engine;
 
 pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// Upper bounds that keep every per-request loop and allocation bounded,
@@ -44,6 +45,15 @@ pub struct Weights {
     pub prefix: f64,
     /// Cost of one block of estimated in-flight work on the replica.
     pub load: f64,
+    /// Cost (blocks) of one request waiting in the replica's queue, as last
+    /// scraped.
+    pub queue: f64,
+    /// Cost (blocks) of a full KV cache (scaled by the scraped usage 0..1):
+    /// a new prefix there evicts cached ones.
+    pub kv: f64,
+    /// Cost (blocks) of a replica that would have to load the requested
+    /// LoRA adapter; half of it if it has a free adapter slot.
+    pub lora: f64,
 }
 
 impl Default for Weights {
@@ -54,6 +64,9 @@ impl Default for Weights {
         Weights {
             prefix: 2.0,
             load: 1.0,
+            queue: 16.0,
+            kv: 32.0,
+            lora: 64.0,
         }
     }
 }
@@ -104,6 +117,30 @@ struct RawConfig {
     bounded_load_slack_blocks: u32,
     #[serde(default = "default_tick_ms")]
     tick_ms: u64,
+    #[serde(default)]
+    cluster: Option<String>,
+    #[serde(default)]
+    metrics_cluster: Option<String>,
+    #[serde(default = "default_metrics_path")]
+    metrics_path: String,
+    #[serde(default = "default_scrape_interval")]
+    scrape_interval_ms: u64,
+    #[serde(default = "default_scrape_timeout")]
+    scrape_timeout_ms: u64,
+    #[serde(default = "default_max_metrics_bytes")]
+    max_metrics_bytes: usize,
+    #[serde(default)]
+    engine: Engine,
+    #[serde(default = "default_staleness")]
+    staleness_ms: u64,
+    #[serde(default = "default_unhealthy_after")]
+    unhealthy_after: u32,
+    #[serde(default = "default_queue_threshold")]
+    queue_threshold: f64,
+    #[serde(default = "default_kv_threshold")]
+    kv_threshold: f64,
+    #[serde(default = "default_priority_header")]
+    priority_header: String,
 }
 
 fn default_header() -> String {
@@ -139,6 +176,33 @@ fn default_bounded_slack() -> u32 {
 fn default_tick_ms() -> u64 {
     100
 }
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_scrape_interval() -> u64 {
+    100
+}
+fn default_scrape_timeout() -> u64 {
+    1000
+}
+fn default_max_metrics_bytes() -> usize {
+    1 << 20
+}
+fn default_staleness() -> u64 {
+    2000
+}
+fn default_unhealthy_after() -> u32 {
+    3
+}
+fn default_queue_threshold() -> f64 {
+    5.0
+}
+fn default_kv_threshold() -> f64 {
+    0.8
+}
+fn default_priority_header() -> String {
+    "x-prefix-router-priority".into()
+}
 
 /// Validated configuration. Fields are only reachable through `parse`, so
 /// the rest of the filter never sees an empty pool or a bad header name.
@@ -160,6 +224,26 @@ pub struct Config {
     pub bounded_load_factor: f64,
     pub bounded_load_slack_blocks: u32,
     pub tick_ms: u64,
+    /// Scraping, when a cluster to reach the replicas through is named.
+    pub scrape: Option<Scrape>,
+    pub staleness_ms: u64,
+    pub unhealthy_after: u32,
+    pub queue_threshold: f64,
+    pub kv_threshold: f64,
+    pub priority_header: String,
+}
+
+/// How replica metrics are scraped.
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    /// Envoy cluster the GETs go through (the destination header picks the
+    /// replica, so no cluster per replica is needed).
+    pub cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub max_bytes: usize,
+    pub engine: Engine,
 }
 
 impl Config {
@@ -197,6 +281,9 @@ impl Config {
         for (key, w) in [
             ("weights.prefix", raw.weights.prefix),
             ("weights.load", raw.weights.load),
+            ("weights.queue", raw.weights.queue),
+            ("weights.kv", raw.weights.kv),
+            ("weights.lora", raw.weights.lora),
         ] {
             if !(w.is_finite() && (0.0..=1000.0).contains(&w)) {
                 return Err(ConfigError::Range {
@@ -204,6 +291,66 @@ impl Config {
                     why: format!("{w} must be between 0 and 1000"),
                 });
             }
+        }
+        let priority_header =
+            check_header(&raw.priority_header).map_err(|_| ConfigError::Range {
+                key: "priority_header",
+                why: format!(
+                    "`{}` is not a valid lowercase header name",
+                    raw.priority_header
+                ),
+            })?;
+        let scrape = match raw.metrics_cluster.or(raw.cluster) {
+            None => None,
+            Some(cluster) => {
+                if cluster.is_empty() || cluster.len() > 256 {
+                    return Err(ConfigError::Range {
+                        key: "cluster",
+                        why: "must be a non-empty Envoy cluster name".into(),
+                    });
+                }
+                if !raw.metrics_path.starts_with('/') {
+                    return Err(ConfigError::Range {
+                        key: "metrics_path",
+                        why: format!("`{}` must start with /", raw.metrics_path),
+                    });
+                }
+                range(
+                    "scrape_interval_ms",
+                    raw.scrape_interval_ms as usize,
+                    10,
+                    600_000,
+                )?;
+                range(
+                    "scrape_timeout_ms",
+                    raw.scrape_timeout_ms as usize,
+                    10,
+                    600_000,
+                )?;
+                range("max_metrics_bytes", raw.max_metrics_bytes, 1024, 64 << 20)?;
+                Some(Scrape {
+                    cluster,
+                    path: raw.metrics_path,
+                    interval_ms: raw.scrape_interval_ms,
+                    timeout_ms: raw.scrape_timeout_ms,
+                    max_bytes: raw.max_metrics_bytes,
+                    engine: raw.engine,
+                })
+            }
+        };
+        range("staleness_ms", raw.staleness_ms as usize, 10, 3_600_000)?;
+        range("unhealthy_after", raw.unhealthy_after as usize, 1, 1000)?;
+        if !(raw.queue_threshold.is_finite() && raw.queue_threshold >= 0.0) {
+            return Err(ConfigError::Range {
+                key: "queue_threshold",
+                why: format!("{} must be a number >= 0", raw.queue_threshold),
+            });
+        }
+        if !(raw.kv_threshold.is_finite() && (0.0..=1.0).contains(&raw.kv_threshold)) {
+            return Err(ConfigError::Range {
+                key: "kv_threshold",
+                why: format!("{} must be between 0 and 1", raw.kv_threshold),
+            });
         }
         Ok(Config {
             endpoints,
@@ -222,6 +369,12 @@ impl Config {
             bounded_load_factor: raw.bounded_load_factor,
             bounded_load_slack_blocks: raw.bounded_load_slack_blocks,
             tick_ms: raw.tick_ms,
+            scrape,
+            staleness_ms: raw.staleness_ms,
+            unhealthy_after: raw.unhealthy_after,
+            queue_threshold: raw.queue_threshold,
+            kv_threshold: raw.kv_threshold,
+            priority_header,
         })
     }
 

@@ -19,6 +19,7 @@ pub mod index;
 pub mod load;
 pub mod metrics;
 pub mod prefix;
+pub mod replicas;
 pub mod request;
 pub mod route;
 pub mod score;

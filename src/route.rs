@@ -7,8 +7,9 @@ use crate::endpoint::Endpoint;
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
 use crate::prefix;
+use crate::replicas::{HealthPolicy, Row, Table};
 use crate::request::Prompt;
-use crate::score::{self, Candidate, Ranked, Reason, ScoreParams};
+use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
 use crate::store::Store;
 
 /// How many blocks feed the placement hash of a new prefix: deep enough to
@@ -45,6 +46,23 @@ impl Hashed {
     }
 }
 
+/// What the router knows about a request besides its prefix.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Meta<'a> {
+    /// The `model` field: may name a LoRA adapter.
+    pub model: Option<&'a str>,
+    /// The client marked it sheddable (priority header).
+    pub sheddable: bool,
+}
+
+/// A request the filter answers itself instead of routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    pub status: u32,
+    pub kind: &'static str,
+    pub message: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct Choice {
     /// Endpoint indices, best first; never empty while the pool isn't.
@@ -56,8 +74,42 @@ pub struct Choice {
     pub stamped: u32,
     /// Work this request adds to its replica (removed when it ends).
     pub work: u64,
-    pub ranked: Ranked,
+    /// (endpoint index, cost), best first: for the debug header.
+    pub costs: Vec<(usize, f64)>,
     pub matches: Matches,
+}
+
+/// A priority header value that marks a request as droppable under
+/// saturation: `sheddable`/`low`/`batch`, or a negative number (the
+/// Inference Extension's convention: below zero is sheddable).
+pub fn is_sheddable(value: &str) -> bool {
+    let v = value.trim();
+    ["sheddable", "low", "batch"]
+        .iter()
+        .any(|s| v.eq_ignore_ascii_case(s))
+        || v.parse::<i64>().is_ok_and(|n| n < 0)
+}
+
+fn lists(r: &Row, model: &str) -> bool {
+    r.running_lora
+        .iter()
+        .chain(&r.waiting_lora)
+        .any(|a| a == model)
+}
+
+fn lora_fit(row: Option<&Row>, adapter: &str) -> LoraFit {
+    let Some(r) = row else {
+        return LoraFit::MustEvict;
+    };
+    if r.running_lora.iter().any(|a| a == adapter) {
+        LoraFit::Running
+    } else if r.waiting_lora.iter().any(|a| a == adapter) {
+        LoraFit::Waiting
+    } else if (r.running_lora.len() as u32) < r.max_lora {
+        LoraFit::CanLoad
+    } else {
+        LoraFit::MustEvict
+    }
 }
 
 impl Router {
@@ -88,22 +140,76 @@ impl Router {
         self.config.endpoints.get(i)
     }
 
-    /// Rank the pool for a request (`hashed` empty when there's no prompt).
-    pub fn decide<S: Store + ?Sized>(&self, store: &S, hashed: &Hashed, now_ms: u64) -> Choice {
+    fn health(&self) -> HealthPolicy {
+        HealthPolicy {
+            staleness_ms: self.config.staleness_ms,
+            unhealthy_after: self.config.unhealthy_after,
+        }
+    }
+
+    /// Rank the eligible replicas for a request (`hashed` empty when there's
+    /// no prompt), or answer it: 503 when no replica is eligible, 429 when
+    /// every eligible replica is saturated and the request is sheddable.
+    pub fn decide<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+    ) -> Result<Choice, Reject> {
+        let table = Table::load(store);
+        let health = self.health();
+        let eligible: Vec<usize> = (0..self.config.endpoints.len())
+            .filter(|&i| table.eligible(self.config.endpoints[i].id(), &health, now_ms))
+            .collect();
+        if eligible.is_empty() {
+            return Err(Reject {
+                status: 503,
+                kind: "no_healthy_replica",
+                message: format!(
+                    "no healthy replica: all {} replicas failed or missed their metrics scrapes",
+                    self.config.endpoints.len()
+                ),
+            });
+        }
+        let rows: Vec<Option<&Row>> = eligible
+            .iter()
+            .map(|&i| table.row(self.config.endpoints[i].id()))
+            .collect();
+        if meta.sheddable && self.saturated(&rows) {
+            return Err(Reject {
+                status: 429,
+                kind: "saturated",
+                message: format!(
+                    "all {} eligible replicas are saturated (queue > {} or KV cache > {:.0}%); retry later",
+                    eligible.len(),
+                    self.config.queue_threshold,
+                    self.config.kv_threshold * 100.0
+                ),
+            });
+        }
         let matches = if hashed.blocks.is_empty() {
             Matches::default()
         } else {
             self.index.lookup(store, &hashed.blocks)
         };
         let loads = load::snapshot(store, now_ms, self.stale_ms);
-        let cands: Vec<Candidate> = self
-            .config
-            .endpoints
+        let adapter = meta
+            .model
+            .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
+        let cands: Vec<Candidate> = eligible
             .iter()
-            .map(|e| Candidate {
-                id: e.id(),
-                matched: matches.get(e.id()),
-                load: loads.get(&e.id()).copied().unwrap_or_default(),
+            .zip(&rows)
+            .map(|(&i, row)| {
+                let id = self.config.endpoints[i].id();
+                Candidate {
+                    id,
+                    matched: matches.get(id),
+                    load: loads.get(&id).copied().unwrap_or_default(),
+                    waiting: row.map(|r| r.waiting).unwrap_or(0.0),
+                    kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
+                    lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
+                }
             })
             .collect();
         let blocks = hashed.blocks.len() as u32;
@@ -114,16 +220,30 @@ impl Router {
             .and_then(|&i| matches.blocks.get(&cands[i].id))
             .copied()
             .unwrap_or((0, 0));
-        Choice {
-            order: ranked.order.clone(),
+        Ok(Choice {
+            order: ranked.order.iter().map(|&i| eligible[i]).collect(),
             reason: ranked.reason,
             blocks,
             matched,
             stamped,
             work: self.params.work_of(blocks, matched),
-            ranked,
+            costs: ranked
+                .order
+                .iter()
+                .map(|&i| (eligible[i], ranked.costs[i]))
+                .collect(),
             matches,
-        }
+        })
+    }
+
+    /// Every eligible replica with fresh metrics is over a threshold (and
+    /// at least one has metrics: without scraping nothing is "saturated").
+    fn saturated(&self, rows: &[Option<&Row>]) -> bool {
+        let over = |r: &Row| {
+            r.waiting as f64 > self.config.queue_threshold
+                || r.kv_usage as f64 > self.config.kv_threshold
+        };
+        rows.iter().all(|r| r.is_some_and(over)) && !rows.is_empty()
     }
 
     /// The destination header value: the pick, then up to `max_fallbacks`
@@ -170,11 +290,10 @@ impl Router {
     pub fn explain(&self, choice: &Choice) -> String {
         let pick = choice.order.first().and_then(|&i| self.endpoint(i));
         let costs: Vec<String> = choice
-            .order
+            .costs
             .iter()
-            .filter_map(|&i| {
+            .filter_map(|&(i, cost)| {
                 let e = self.endpoint(i)?;
-                let cost = choice.ranked.costs.get(i)?;
                 Some(format!(
                     "{}={:.1}/{}",
                     e.as_str(),
@@ -226,7 +345,7 @@ mod tests {
             let mut picks = Vec::new();
             for q in 0..10 {
                 let h = hashed(&r, &doc(g, q));
-                let c = r.decide(&s, &h, 1000);
+                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
                 if q > 0 {
                     assert_eq!(c.reason, Reason::PrefixHit);
                 }
@@ -253,7 +372,7 @@ mod tests {
         for q in 0..40 {
             let body = format!(r#"{{"model":"m","prompt":"{long} Question {q}?"}}"#);
             let h = hashed(&r, &body);
-            let c = r.decide(&s, &h, 1000);
+            let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
             r.commit(&s, &mut board, &c, &h, 1000);
             if !used.contains(&c.order[0]) {
                 used.push(c.order[0]);
@@ -272,7 +391,9 @@ mod tests {
     fn header_lists_fallbacks_best_first() {
         let r = router(r#","max_fallbacks":2"#);
         let s = MemStore::new();
-        let c = r.decide(&s, &Hashed::default(), 0);
+        let c = r
+            .decide(&s, &Hashed::default(), Meta::default(), 0)
+            .unwrap();
         let v = r.header_value(&c);
         let parts: Vec<&str> = v.split(',').collect();
         assert_eq!(parts.len(), 3);
@@ -289,7 +410,9 @@ mod tests {
         let mut board = LoadBoard::new(1, 10_000);
         let mut seen = Vec::new();
         for _ in 0..4 {
-            let c = r.decide(&s, &Hashed::default(), 0);
+            let c = r
+                .decide(&s, &Hashed::default(), Meta::default(), 0)
+                .unwrap();
             r.commit(&s, &mut board, &c, &Hashed::default(), 0);
             seen.push(c.order[0]);
         }
@@ -298,11 +421,71 @@ mod tests {
     }
 
     #[test]
+    fn sheddable_values() {
+        for yes in ["sheddable", " Sheddable ", "low", "BATCH", "-1", "-100"] {
+            assert!(is_sheddable(yes), "{yes}");
+        }
+        for no in ["", "critical", "standard", "0", "5", "-", "sheddable-ish"] {
+            assert!(!is_sheddable(no), "{no}");
+        }
+    }
+
+    #[test]
+    fn saturation_sheds_only_sheddable_requests_and_no_replica_is_a_503() {
+        use crate::metrics::ReplicaMetrics;
+        use crate::replicas::record_scrape;
+        let r = router("");
+        let s = MemStore::new();
+        let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
+        let busy = ReplicaMetrics {
+            waiting: 9.0,
+            ..ReplicaMetrics::default()
+        };
+        for &id in &ids[..3] {
+            record_scrape(&s, id, Ok(&busy), &ids, 1000).unwrap();
+        }
+        let shed = Meta {
+            sheddable: true,
+            ..Meta::default()
+        };
+        // One replica has no metrics yet: not everyone is saturated.
+        assert!(r.decide(&s, &Hashed::default(), shed, 1000).is_ok());
+        record_scrape(&s, ids[3], Ok(&busy), &ids, 1000).unwrap();
+        let rej = r.decide(&s, &Hashed::default(), shed, 1000).unwrap_err();
+        assert_eq!(rej.status, 429);
+        assert!(r
+            .decide(&s, &Hashed::default(), Meta::default(), 1000)
+            .is_ok());
+        // Everyone stale: nothing eligible.
+        let rej = r
+            .decide(&s, &Hashed::default(), Meta::default(), 10_000)
+            .unwrap_err();
+        assert_eq!(rej.status, 503);
+    }
+
+    #[test]
+    fn unhealthy_replicas_are_never_picked() {
+        use crate::replicas::record_scrape;
+        let r = router("");
+        let s = MemStore::new();
+        let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
+        for _ in 0..3 {
+            record_scrape(&s, ids[0], Err(()), &ids, 1000).unwrap();
+        }
+        for q in 0..50 {
+            let h = hashed(&r, &doc(q, 0));
+            let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+            assert_ne!(c.order[0], 0);
+            assert!(!c.order.contains(&0));
+        }
+    }
+
+    #[test]
     fn explain_names_the_pick() {
         let r = router("");
         let s = MemStore::new();
         let h = hashed(&r, &doc(1, 1));
-        let c = r.decide(&s, &h, 0);
+        let c = r.decide(&s, &h, Meta::default(), 0).unwrap();
         let text = r.explain(&c);
         assert!(text.starts_with(&format!("replica={}", r.endpoint(c.order[0]).unwrap())));
         assert!(text.contains("reason=new_prefix"));

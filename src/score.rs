@@ -22,7 +22,40 @@ pub struct Candidate {
     pub id: ReplicaId,
     /// Leading blocks of this request the replica holds.
     pub matched: u32,
+    /// In-flight work through this Envoy (instant).
     pub load: Load,
+    /// Last scraped queue depth and KV usage (0 when unknown).
+    pub waiting: f32,
+    pub kv_usage: f32,
+    pub lora: LoraFit,
+}
+
+/// How well a replica fits the request's LoRA adapter, as the Inference
+/// Extension's LoRA affinity scorer sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraFit {
+    /// Not an adapter request (or nobody reports adapters).
+    #[default]
+    NotApplicable,
+    /// The adapter is running there.
+    Running,
+    /// The adapter is queued to load there.
+    Waiting,
+    /// A free adapter slot: it can load without evicting another.
+    CanLoad,
+    /// Loading it would evict another adapter.
+    MustEvict,
+}
+
+impl LoraFit {
+    fn cost(self, w: f64) -> f64 {
+        match self {
+            LoraFit::NotApplicable | LoraFit::Running => 0.0,
+            LoraFit::Waiting => w / 4.0,
+            LoraFit::CanLoad => w / 2.0,
+            LoraFit::MustEvict => w,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,7 +144,12 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
             } else {
                 0
             };
-            p.weights.prefix * blocks.saturating_sub(credit) as f64 + p.weights.load * load
+            let w = &p.weights;
+            w.prefix * blocks.saturating_sub(credit) as f64
+                + w.load * load
+                + w.queue * c.waiting.max(0.0) as f64
+                + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
+                + c.lora.cost(w.lora)
         })
         .collect();
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -186,7 +224,41 @@ mod tests {
             id,
             matched,
             load: Load { requests, work },
+            waiting: 0.0,
+            kv_usage: 0.0,
+            lora: LoraFit::NotApplicable,
         }
+    }
+
+    #[test]
+    fn a_scraped_queue_steers_new_work_away() {
+        let mut c = [cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        c[0].waiting = 20.0;
+        for key in 0..50 {
+            assert_eq!(rank(&c, 10, key, &params()).order[0], 1);
+        }
+        // ...but not away from a long cached prefix over a short queue.
+        c[0].waiting = 2.0;
+        c[0].matched = 128;
+        assert_eq!(rank(&c, 130, 1, &params()).order[0], 0);
+    }
+
+    #[test]
+    fn full_kv_costs_more() {
+        let mut c = [cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        c[1].kv_usage = 0.95;
+        for key in 0..50 {
+            assert_eq!(rank(&c, 10, key, &params()).order[0], 0);
+        }
+    }
+
+    #[test]
+    fn lora_affinity_prefers_running_then_free_slot() {
+        let mut c = [cand(1, 0, 0, 0), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        c[0].lora = LoraFit::MustEvict;
+        c[1].lora = LoraFit::CanLoad;
+        c[2].lora = LoraFit::Running;
+        assert_eq!(rank(&c, 10, 5, &params()).order, vec![2, 1, 0]);
     }
 
     #[test]

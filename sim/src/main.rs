@@ -1,1 +1,87 @@
-fn main() {}
+//! replica-sim: serves N simulated vLLM-style replicas from one process.
+
+mod api;
+mod cli;
+mod engine;
+mod fault;
+mod hash;
+mod kv;
+mod metrics;
+mod openai;
+mod preset;
+mod replica;
+mod template;
+mod tokenizer;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+use tokio::net::TcpListener;
+
+use crate::cli::Cli;
+use crate::replica::{Replica, Settings};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let cfg = match cli.engine_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("replica-sim: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let settings = Settings {
+        cfg,
+        model: cli.model.clone(),
+        loras: cli.lora.iter().filter(|l| !l.is_empty()).cloned().collect(),
+        default_max_tokens: cli.default_max_tokens.max(1),
+        fail_rate: cli.fail_rate,
+        slow_ms: cli.slow_ms,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("replica-sim: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(&cli, settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("replica-sim: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Binds every replica first (so a port clash fails fast), announces each
+/// on stdout, then serves until a server fails.
+async fn serve(cli: &Cli, settings: Settings) -> std::io::Result<()> {
+    let mut servers = tokio::task::JoinSet::new();
+    for i in 0..cli.replicas {
+        let port = match cli.port {
+            0 => 0,
+            p => p
+                .checked_add(i)
+                .ok_or_else(|| std::io::Error::other("port range overflows 65535"))?,
+        };
+        let listener = TcpListener::bind((cli.host.as_str(), port))
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}:{port}: {e}", cli.host)))?;
+        let addr = listener.local_addr()?;
+        let app = api::router(Replica::start(addr, settings.clone()));
+        servers.spawn(async move { axum::serve(listener, app).await });
+        println!("replica-sim listening on {addr}");
+        // Tests and scripts wait for these lines; a pipe would buffer them.
+        std::io::stdout().flush()?;
+    }
+    match servers.join_next().await {
+        Some(Ok(result)) => result,
+        Some(Err(e)) => Err(std::io::Error::other(e)),
+        None => Ok(()),
+    }
+}

@@ -88,3 +88,58 @@ pub fn set_shared_data(key: &str, value: &[u8], cas: u32) -> Result<(), u32> {
         proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas)
     })
 }
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_send_local_response(
+        status_code: u32,
+        details_data: *const u8,
+        details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+}
+
+/// The proxy-wasm header-map wire format: count, (key len, value len)
+/// pairs, then each key and value NUL-terminated.
+fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(headers.len() as u32).to_le_bytes());
+    for (k, v) in headers {
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in headers {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// Answer the request from the filter (429/503) instead of forwarding it.
+pub fn send_local_response(
+    status: u32,
+    details: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<(), u32> {
+    let h = serialize_headers(headers);
+    // SAFETY: all pointers come from live slices; the host copies them.
+    check(unsafe {
+        proxy_send_local_response(
+            status,
+            details.as_ptr(),
+            details.len(),
+            body.as_ptr(),
+            body.len(),
+            h.as_ptr(),
+            h.len(),
+            -1,
+        )
+    })
+}

@@ -14,7 +14,7 @@ use super::shared::SharedData;
 use crate::config::DEFAULT_DESTINATION_HEADER;
 use crate::endpoint::ReplicaId;
 use crate::request;
-use crate::route::{Choice, Hashed};
+use crate::route::{is_sheddable, Choice, Hashed, Meta, Reject};
 
 const DEBUG_HEADER: &str = "x-prefix-router-debug";
 
@@ -43,17 +43,23 @@ impl Http {
     }
 
     /// Decide and write the header. `body` is the complete request body when
-    /// there is one worth parsing.
-    fn route(&mut self, body: Option<&[u8]>) {
+    /// there is one worth parsing. Returns false when the filter answered
+    /// the request itself (429/503): the stream must stay paused then.
+    fn route(&mut self, body: Option<&[u8]>) -> bool {
         let Some(worker) = self.worker.clone() else {
-            return;
+            return true;
         };
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
         let cfg = &w.router.config;
+        let mut model = None;
         let hashed = match body {
             Some(b) => match request::extract(b, cfg.block_bytes * cfg.max_blocks) {
-                Ok(prompt) => Hashed::of(&prompt, cfg),
+                Ok(prompt) => {
+                    let h = Hashed::of(&prompt, cfg);
+                    model = Some(prompt.model);
+                    h
+                }
                 Err(e) => {
                     // Debug level: a client sending junk must not flood logs.
                     log::debug!("prefix-router: unparsable inference body: {e}");
@@ -64,12 +70,28 @@ impl Http {
             None => Hashed::default(),
         };
         let now = super::now_ms();
-        let choice = w.router.decide(&SharedData, &hashed, now);
+        let priority = self.header(&cfg.priority_header);
+        let meta = Meta {
+            model: model.as_deref(),
+            sheddable: priority.as_deref().is_some_and(is_sheddable),
+        };
+        let choice = match w.router.decide(&SharedData, &hashed, meta, now) {
+            Ok(c) => c,
+            Err(reject) => {
+                if reject.status == 429 {
+                    w.stats.shed_429.inc()
+                } else {
+                    w.stats.unavailable_503.inc()
+                }
+                self.reject(&reject);
+                return false;
+            }
+        };
         let Some(&first) = choice.order.first() else {
-            return;
+            return true;
         };
         let Some(ep) = w.router.endpoint(first).cloned() else {
-            return;
+            return true;
         };
         let value = w.router.header_value(&choice);
         if let Err(status) =
@@ -80,7 +102,7 @@ impl Http {
                 cfg.destination_header
             );
             w.stats.header_write_errors.inc();
-            return;
+            return true;
         }
         let rec = w
             .router
@@ -89,6 +111,32 @@ impl Http {
         self.count(w, &choice, ep.id(), rec);
         if cfg.debug_header {
             self.debug = Some(w.router.explain(&choice));
+        }
+        true
+    }
+
+    fn reject(&self, r: &Reject) {
+        let body = serde_json::json!({
+            "error": {"message": r.message, "type": r.kind, "code": r.status}
+        })
+        .to_string();
+        let mut headers = vec![("content-type", "application/json")];
+        if r.status == 429 {
+            headers.push(("retry-after", "1"));
+        }
+        if let Err(status) = abi::send_local_response(r.status, r.kind, &headers, body.as_bytes()) {
+            log::warn!(
+                "prefix-router: could not send {} reply: status {status}",
+                r.status
+            );
+        }
+    }
+
+    fn proceed(&mut self, body: Option<&[u8]>) -> Action {
+        if self.route(body) {
+            Action::Continue
+        } else {
+            Action::Pause
         }
     }
 
@@ -151,8 +199,7 @@ impl HttpContext for Http {
                 .is_some_and(|p| w.router.config.is_inference_path(&p))
         };
         if end_of_stream || !is_inference {
-            self.route(None);
-            return Action::Continue;
+            return self.proceed(None);
         }
         // Hold the headers until the body is complete; needs
         // `allow_on_headers_stop_iteration: true` in the plugin config.
@@ -170,8 +217,7 @@ impl HttpContext for Http {
                 w.borrow().stats.body_too_large.inc();
             }
             self.waiting_for_body = false;
-            self.route(None);
-            return Action::Continue;
+            return self.proceed(None);
         }
         if !end_of_stream {
             return Action::Pause;
@@ -181,8 +227,7 @@ impl HttpContext for Http {
             .ok()
             .flatten()
             .unwrap_or_default();
-        self.route(Some(&body));
-        Action::Continue
+        self.proceed(Some(&body))
     }
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
@@ -197,7 +242,7 @@ impl HttpContext for Http {
             .ok()
             .flatten()
             .unwrap_or_default();
-            self.route(Some(&body));
+            return self.proceed(Some(&body));
         }
         Action::Continue
     }

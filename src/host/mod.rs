@@ -4,6 +4,7 @@
 mod abi;
 mod http;
 mod root;
+mod scrape;
 mod shared;
 mod stats;
 

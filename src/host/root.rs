@@ -8,6 +8,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 use super::http::Http;
+use super::scrape::Scraper;
 use super::shared::SharedData;
 use super::stats::Stats;
 use crate::config::Config;
@@ -23,11 +24,15 @@ pub struct Worker {
 
 pub struct Root {
     worker: Option<Rc<RefCell<Worker>>>,
+    scraper: Option<Scraper>,
 }
 
 impl Root {
     pub fn new() -> Root {
-        Root { worker: None }
+        Root {
+            worker: None,
+            scraper: None,
+        }
     }
 }
 
@@ -40,7 +45,20 @@ fn owner_id() -> u64 {
     u64::from_le_bytes(b)
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let (Some(w), Some(s)) = (&self.worker, &mut self.scraper) else {
+            return;
+        };
+        s.on_response(&w.borrow().router.config, token, body_size, super::now_ms());
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, size: usize) -> bool {
@@ -60,8 +78,16 @@ impl RootContext for Root {
         };
         let stats = Stats::define(&config.endpoints);
         let router = Router::new(config);
-        let board = LoadBoard::new(owner_id(), router.stale_ms());
-        self.set_tick_period(Duration::from_millis(router.config.tick_ms));
+        let owner = owner_id();
+        let board = LoadBoard::new(owner, router.stale_ms());
+        let mut tick = router.config.tick_ms;
+        if let Some(s) = &router.config.scrape {
+            tick = tick.min(s.interval_ms);
+            self.scraper = Some(Scraper::new(&router.config, owner));
+        } else {
+            log::info!("prefix-router: metrics scraping off (set `cluster` to enable)");
+        }
+        self.set_tick_period(Duration::from_millis(tick));
         log::info!(
             "prefix-router: configured with {} replicas, header `{}`",
             router.config.endpoints.len(),
@@ -76,8 +102,11 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Some(w) = &self.worker {
-            w.borrow_mut().board.heartbeat(&SharedData, super::now_ms());
+        let Some(w) = &self.worker else { return };
+        let now = super::now_ms();
+        w.borrow_mut().board.heartbeat(&SharedData, now);
+        if let Some(s) = &mut self.scraper {
+            s.tick(&w.borrow().router.config, now);
         }
     }
 

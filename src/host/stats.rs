@@ -16,7 +16,7 @@ use crate::score::Reason;
 pub struct Metric(Option<u32>);
 
 impl Metric {
-    fn define(kind: MetricType, name: &str) -> Metric {
+    pub fn define(kind: MetricType, name: &str) -> Metric {
         match abi::define_metric(kind, name) {
             Ok(id) => Metric(Some(id)),
             Err(status) => {
@@ -66,6 +66,8 @@ pub struct Stats {
     pub index_evictions: Metric,
     pub index_cas_retries: Metric,
     pub index_write_failures: Metric,
+    pub shed_429: Metric,
+    pub unavailable_503: Metric,
     pub replicas: HashMap<ReplicaId, ReplicaStats>,
 }
 
@@ -104,6 +106,8 @@ impl Stats {
             index_evictions: c("index.evictions"),
             index_cas_retries: c("index.cas_retries"),
             index_write_failures: c("index.write_failures"),
+            shed_429: c("shed_429"),
+            unavailable_503: c("unavailable_503"),
             replicas,
         }
     }

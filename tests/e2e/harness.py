@@ -45,10 +45,17 @@ def free_port() -> int:
 class Backend:
     """A loopback HTTP server in a thread, recording what it received."""
 
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.0, port: int = 0, metrics: str | bytes | None = None):
         self.delay_s = delay_s
         self.requests: list[dict] = []
         self.lock = threading.Lock()
+        # /metrics: the page served (None: 404), an extra delay, a hit count.
+        self.metrics = metrics
+        self.metrics_delay_s = 0.0
+        self.metrics_hits = 0
+        # down: every request gets a 503 (a replica that is up but broken).
+        self.down = False
+        self.conns: set = set()
         backend = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,9 +64,38 @@ class Backend:
             def log_message(self, *args):  # quiet
                 pass
 
+            def setup(self):
+                super().setup()
+                with backend.lock:
+                    backend.conns.add(self.connection)
+
+            def finish(self):
+                with backend.lock:
+                    backend.conns.discard(self.connection)
+                super().finish()
+
+            def _reply(self, status, payload: bytes, ctype="text/plain"):
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("x-served-by", str(backend.port))
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
             def _serve(self):
                 n = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(n) if n else b""
+                if backend.down:
+                    return self._reply(503, b"down")
+                if self.path == "/metrics":
+                    with backend.lock:
+                        backend.metrics_hits += 1
+                    if backend.metrics_delay_s:
+                        time.sleep(backend.metrics_delay_s)
+                    page = backend.metrics
+                    if page is None:
+                        return self._reply(404, b"no metrics")
+                    return self._reply(200, page.encode() if isinstance(page, str) else page)
                 with backend.lock:
                     backend.requests.append(
                         {
@@ -93,7 +129,7 @@ class Backend:
 
             do_GET = do_POST = do_PUT = _serve
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.addr = f"127.0.0.1:{self.port}"
@@ -104,8 +140,22 @@ class Backend:
         return self
 
     def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        self.stop()
+
+    def stop(self):
+        """Die like a killed process: refuse new connections and reset the
+        open ones (Envoy's pooled keep-alive connections included)."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        with self.lock:
+            conns, self.conns = list(self.conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     @property
     def count(self) -> int:
@@ -117,6 +167,20 @@ class Backend:
 def backends(n: int, **kw):
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(Backend(**kw)) for _ in range(n)]
+
+
+def vllm_metrics(waiting: float = 0, running: float = 0, kv: float = 0.0) -> str:
+    """A metrics page shaped like vLLM's."""
+    m = 'model_name="m",engine="0"'
+    return (
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{m}}} {waiting}\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{m}}} {running}\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{m}}} {kv}\n"
+    )
 
 
 # --------------------------------------------------------------------------

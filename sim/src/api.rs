@@ -1,0 +1,402 @@
+//! HTTP surface of one replica: OpenAI-compatible inference, vLLM's
+//! tokenizer/render endpoints, metrics, and admin/fault endpoints.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::engine::{Event, Submission};
+use crate::fault::{Fault, Mode};
+use crate::hash::chain_hashes;
+use crate::openai::{self, Kind, Meta, Prepared};
+use crate::replica::Replica;
+
+type Shared = State<Arc<Replica>>;
+type RawBody = Result<Bytes, BytesRejection>;
+
+/// Large enough for prompts at max_model_len as text or id arrays.
+const BODY_LIMIT: usize = 16 * 1024 * 1024;
+pub const DELAY_HEADER: &str = "x-sim-delay-ms";
+
+pub fn router(replica: Arc<Replica>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/reset", post(reset))
+        .route("/admin/fault", post(set_fault).get(get_fault))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::from_fn_with_state(replica.clone(), guard))
+        .with_state(replica)
+}
+
+/// Applies the fault mode and stamps `x-served-by` on every response.
+async fn guard(State(r): Shared, req: Request, next: Next) -> Response {
+    let mut resp = if req.uri().path() == "/admin/fault" {
+        next.run(req).await
+    } else {
+        gated(&r, req, next).await
+    };
+    resp.headers_mut()
+        .insert("x-served-by", r.served_by.clone());
+    resp
+}
+
+async fn gated(r: &Replica, req: Request, next: Next) -> Response {
+    let mut modes = r.fault.subscribe();
+    loop {
+        let mode = modes.borrow_and_update().mode;
+        match mode {
+            Mode::Down => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "replica is down (fault injection)",
+                )
+                .into_response()
+            }
+            Mode::Hang => {
+                if modes.changed().await.is_err() {
+                    return error(StatusCode::SERVICE_UNAVAILABLE, "replica stopped")
+                        .into_response();
+                }
+            }
+            Mode::Ok | Mode::Slow => return next.run(req).await,
+        }
+    }
+}
+
+/// An error answered with an OpenAI-style body (small, unlike `Response`,
+/// so it is cheap to pass around in `Result`s).
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status.as_u16() {
+            400..=499 => "invalid_request_error",
+            503 => "service_unavailable_error",
+            _ => "internal_server_error",
+        };
+        let code = self.status.as_u16();
+        let body = json!({"error": {"message": self.message, "type": kind, "code": code}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> ApiError {
+    ApiError {
+        status,
+        message: message.into(),
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> ApiError {
+    error(StatusCode::BAD_REQUEST, message)
+}
+
+fn read_body(body: RawBody) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = match e.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        error(status, e.body_text())
+    })
+}
+
+type Answer = Result<Response, ApiError>;
+
+async fn completions(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answer {
+    infer(r, Kind::Completion, &headers, body).await
+}
+
+async fn chat(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answer {
+    infer(r, Kind::Chat, &headers, body).await
+}
+
+/// A validated request with everything the engine and formatter need.
+struct Job {
+    prepared: Prepared,
+    max_tokens: usize,
+    lora: Option<usize>,
+    meta: Meta,
+}
+
+async fn infer(r: Arc<Replica>, kind: Kind, headers: &HeaderMap, body: RawBody) -> Answer {
+    let body = read_body(body)?;
+    let prepared = openai::parse(kind, &body).map_err(bad_request)?;
+    let header_delay = delay_header(headers)?;
+    let job = validate(&r, prepared)?;
+    if r.fail.should_fail() {
+        return Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated failure (--fail-rate)",
+        ));
+    }
+    let fault_delay = r.fault.borrow().delay_ms();
+    hold(
+        &r.metrics.gauges.delayed,
+        header_delay.saturating_add(fault_delay),
+    )
+    .await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let sub = Submission {
+        prompt_len: job.prepared.tokens.len(),
+        block_hashes: chain_hashes(
+            &job.prepared.tokens,
+            r.settings.cfg.block_size,
+            r.hash_seed(job.lora),
+        ),
+        max_tokens: job.max_tokens,
+        lora: job.lora,
+        seed: r.next_id.load(Relaxed),
+        events: tx,
+    };
+    if !r.engine.submit(sub).await {
+        return Err(error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"));
+    }
+    if job.prepared.stream {
+        Ok(sse(job, rx))
+    } else {
+        collect(job, rx).await
+    }
+}
+
+fn delay_header(headers: &HeaderMap) -> Result<u64, ApiError> {
+    let Some(v) = headers.get(DELAY_HEADER) else {
+        return Ok(0);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .ok_or_else(|| bad_request(format!("{DELAY_HEADER} must be a non-negative integer")))
+}
+
+/// Checks limits the way vLLM does and resolves defaults.
+fn validate(r: &Replica, prepared: Prepared) -> Result<Job, ApiError> {
+    let max_tokens = prepared
+        .max_tokens
+        .map_or(r.settings.default_max_tokens, |m| m as usize);
+    if max_tokens == 0 {
+        return Err(bad_request("max_tokens must be at least 1"));
+    }
+    let limit = r.settings.cfg.max_model_len;
+    let prompt = prepared.tokens.len();
+    if prompt + max_tokens > limit {
+        return Err(bad_request(format!(
+            "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+            prompt + max_tokens
+        )));
+    }
+    let lora = r.lora_index(prepared.model.as_deref());
+    let id = r.next_id.fetch_add(1, Relaxed);
+    let prefix = if prepared.kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    let meta = Meta {
+        kind: prepared.kind,
+        id: format!("{prefix}-{}-{id}", r.port),
+        created: unix_now(),
+        model: prepared
+            .model
+            .clone()
+            .unwrap_or_else(|| r.settings.model.clone()),
+    };
+    Ok(Job {
+        prepared,
+        max_tokens,
+        lora,
+        meta,
+    })
+}
+
+/// Waits `ms` of real time, counted as waiting in the metrics meanwhile.
+async fn hold(delayed: &AtomicU64, ms: u64) {
+    if ms == 0 {
+        return;
+    }
+    struct Counted<'a>(&'a AtomicU64);
+    impl Drop for Counted<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Relaxed);
+        }
+    }
+    delayed.fetch_add(1, Relaxed);
+    let _counted = Counted(delayed);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+/// Server-sent events: one `data:` frame per token as the engine produces
+/// it, then the optional usage frame, then `[DONE]`.
+fn sse(job: Job, rx: mpsc::UnboundedReceiver<Event>) -> Response {
+    let Job {
+        prepared,
+        max_tokens,
+        meta,
+        ..
+    } = job;
+    let include_usage = prepared.include_usage;
+    let mut sent = 0;
+    let frames = UnboundedReceiverStream::new(rx).map(move |ev| {
+        let text = match ev {
+            Event::Token(t) => {
+                sent += 1;
+                frame(&meta.chunk(t, sent == 1, sent == max_tokens))
+            }
+            Event::Done(usage) => {
+                let mut s = if include_usage {
+                    frame(&meta.usage_chunk(&usage))
+                } else {
+                    String::new()
+                };
+                s.push_str("data: [DONE]\n\n");
+                s
+            }
+        };
+        Ok::<_, Infallible>(Bytes::from(text))
+    });
+    let headers = [
+        (header::CONTENT_TYPE, "text/event-stream"),
+        (header::CACHE_CONTROL, "no-cache"),
+    ];
+    (headers, Body::from_stream(frames)).into_response()
+}
+
+fn frame(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+async fn collect(job: Job, mut rx: mpsc::UnboundedReceiver<Event>) -> Answer {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token(t) => text.push_str(t),
+            Event::Done(usage) => return Ok(Json(job.meta.full(&text, &usage)).into_response()),
+        }
+    }
+    Err(error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "engine dropped the request",
+    ))
+}
+
+/// vLLM's render shape for completions: one generate request per prompt
+/// (here always one: batches are served as one sequence).
+async fn render_completion(State(r): Shared, body: RawBody) -> Answer {
+    render(r, Kind::Completion, body)
+}
+
+/// vLLM's render shape for chat: a single object with `token_ids`.
+async fn render_chat(State(r): Shared, body: RawBody) -> Answer {
+    render(r, Kind::Chat, body)
+}
+
+fn render(r: Arc<Replica>, kind: Kind, body: RawBody) -> Answer {
+    let body = read_body(body)?;
+    let p = openai::parse(kind, &body).map_err(bad_request)?;
+    let max_tokens = p
+        .max_tokens
+        .map_or(r.settings.default_max_tokens, |m| m as usize);
+    let model = p.model.clone().unwrap_or_else(|| r.settings.model.clone());
+    let v = json!({
+        "request_id": format!("render-{}-{}", r.port, r.next_id.fetch_add(1, Relaxed)),
+        "model": model,
+        "token_ids": p.tokens,
+        "prompt_token_ids": p.tokens,
+        "sampling_params": {"max_tokens": max_tokens},
+        "features": null,
+    });
+    Ok(match kind {
+        Kind::Completion => Json(json!([v])).into_response(),
+        Kind::Chat => Json(v).into_response(),
+    })
+}
+
+async fn tokenize(State(r): Shared, body: RawBody) -> Answer {
+    let tokens = openai::parse_tokenize(&read_body(body)?).map_err(bad_request)?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": r.settings.cfg.max_model_len,
+        "tokens": tokens,
+        "token_strs": null,
+    }))
+    .into_response())
+}
+
+async fn models(State(r): Shared) -> Response {
+    let s = &r.settings;
+    let created = unix_now();
+    let card = |id: &str, parent: Value| {
+        json!({
+            "id": id, "object": "model", "created": created, "owned_by": "vllm",
+            "root": id, "parent": parent, "max_model_len": s.cfg.max_model_len, "permission": []
+        })
+    };
+    let mut data = vec![card(&s.model, Value::Null)];
+    data.extend(s.loras.iter().map(|l| card(l, json!(s.model))));
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics(State(r): Shared) -> Response {
+    let ct = "text/plain; version=0.0.4; charset=utf-8";
+    ([(header::CONTENT_TYPE, ct)], r.metrics.render()).into_response()
+}
+
+async fn reset(State(r): Shared) -> Answer {
+    let stopped = || error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
+    let outcome = r.engine.reset().await.ok_or_else(stopped)?;
+    let body = json!({"status": "ok", "in_flight": outcome.in_flight, "cache_cleared": outcome.cache_cleared});
+    Ok(Json(body).into_response())
+}
+
+async fn set_fault(State(r): Shared, body: RawBody) -> Answer {
+    let f: Fault = serde_json::from_slice(&read_body(body)?).map_err(|e| {
+        bad_request(format!(
+            "invalid fault: {e}; expected {{\"mode\":\"ok\"|\"slow\"|\"down\"|\"hang\",\"delay_ms\":N}}"
+        ))
+    })?;
+    r.fault.send_replace(f);
+    Ok(Json(f).into_response())
+}
+
+async fn get_fault(State(r): Shared) -> Response {
+    Json(*r.fault.borrow()).into_response()
+}
+
+async fn not_found() -> ApiError {
+    error(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

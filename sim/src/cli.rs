@@ -1,0 +1,148 @@
+//! Command line: a preset plus per-parameter overrides.
+
+use clap::Parser;
+
+use crate::preset::{EngineConfig, Preset};
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "replica-sim",
+    version,
+    about = "Simulated vLLM-style model-server replicas with a paged, prefix-reusing KV cache"
+)]
+pub struct Cli {
+    /// Address to bind. Keep it on loopback for tests and benchmarks.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// First port; replica i listens on port+i. 0 = any free port per replica.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Number of independent replicas served by this process.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub replicas: u16,
+    /// Served model name (the `model_name` metrics label).
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Cost model and capacity (see README for sources).
+    #[arg(long, value_enum, default_value_t = Preset::A10g7b)]
+    pub preset: Preset,
+    /// Real time per simulated time: 0.1 runs 10x faster. Metrics stay in
+    /// simulated time.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// KV cache size in blocks of --block-size tokens.
+    #[arg(long, conflicts_with = "kv_tokens")]
+    pub kv_blocks: Option<usize>,
+    /// KV cache size in tokens (rounded down to whole blocks).
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    #[arg(long)]
+    pub step_overhead_ms: Option<f64>,
+    #[arg(long)]
+    pub prefill_ms_per_token: Option<f64>,
+    /// Decode cost of a step at batch 1 (excluding the step overhead).
+    #[arg(long)]
+    pub decode_ms_per_step: Option<f64>,
+    /// Extra decode cost per additional running sequence.
+    #[arg(long)]
+    pub decode_ms_per_seq: Option<f64>,
+    /// LoRA adapter names servable by the `model` request field.
+    #[arg(long, value_delimiter = ',')]
+    pub lora: Vec<String>,
+    /// Adapters resident at once.
+    #[arg(long)]
+    pub max_loras: Option<usize>,
+    #[arg(long)]
+    pub lora_load_ms: Option<f64>,
+    /// `max_tokens` when a request gives none.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: usize,
+    /// Fraction of inference requests answered 500 (spread evenly).
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Start in fault mode "slow" with this real-time delay before the first
+    /// token.
+    #[arg(long, default_value_t = 0)]
+    pub slow_ms: u64,
+}
+
+impl Cli {
+    /// The preset with every given override applied, validated.
+    pub fn engine_config(&self) -> Result<EngineConfig, String> {
+        let mut c = self.preset.config();
+        set(&mut c.time_scale, self.time_scale);
+        set(&mut c.max_num_seqs, self.max_num_seqs);
+        set(&mut c.max_num_batched_tokens, self.max_num_batched_tokens);
+        set(&mut c.max_model_len, self.max_model_len);
+        set(&mut c.block_size, self.block_size);
+        set(&mut c.kv_blocks, self.kv_blocks);
+        if let Some(tokens) = self.kv_tokens {
+            c.kv_blocks = tokens / c.block_size.max(1);
+        }
+        set(&mut c.step_overhead_ms, self.step_overhead_ms);
+        set(&mut c.prefill_ms_per_token, self.prefill_ms_per_token);
+        set(&mut c.decode_ms_per_step, self.decode_ms_per_step);
+        set(&mut c.decode_ms_per_seq, self.decode_ms_per_seq);
+        set(&mut c.max_loras, self.max_loras);
+        set(&mut c.lora_load_ms, self.lora_load_ms);
+        // A sequence must fit in the cache on its own or it could never run.
+        c.max_model_len = c.max_model_len.min(c.kv_tokens());
+        c.validate()?;
+        if !(0.0..=1.0).contains(&self.fail_rate) {
+            return Err("fail-rate must be within 0..=1".into());
+        }
+        Ok(c)
+    }
+}
+
+fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *slot = v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_apply_over_preset() {
+        let cli = Cli::parse_from([
+            "replica-sim",
+            "--preset",
+            "fast",
+            "--kv-tokens",
+            "1000",
+            "--max-num-seqs",
+            "4",
+            "--time-scale",
+            "0.1",
+        ]);
+        let c = cli.engine_config().unwrap();
+        assert_eq!(c.kv_blocks, 62);
+        assert_eq!(c.max_num_seqs, 4);
+        assert_eq!(c.time_scale, 0.1);
+        assert_eq!(c.max_model_len, 992, "clamped to cache capacity");
+        assert_eq!(
+            c.prefill_ms_per_token,
+            Preset::Fast.config().prefill_ms_per_token
+        );
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let cli = Cli::parse_from(["replica-sim", "--fail-rate", "2"]);
+        assert!(cli.engine_config().is_err());
+        assert!(
+            Cli::try_parse_from(["replica-sim", "--kv-blocks", "1", "--kv-tokens", "16"]).is_err()
+        );
+    }
+}

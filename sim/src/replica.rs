@@ -1,0 +1,87 @@
+//! One simulated replica: its engine, metrics, fault state and identity.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+use tokio::sync::watch;
+
+use crate::engine::{self, EngineHandle};
+use crate::fault::{FailRate, Fault, Mode};
+use crate::hash::hash_str;
+use crate::metrics::{Info, Metrics};
+use crate::preset::EngineConfig;
+
+/// Settings shared by all replicas of the process.
+#[derive(Clone)]
+pub struct Settings {
+    pub cfg: EngineConfig,
+    pub model: String,
+    pub loras: Vec<String>,
+    pub default_max_tokens: usize,
+    pub fail_rate: f64,
+    pub slow_ms: u64,
+}
+
+pub struct Replica {
+    /// `HOST:PORT` this replica listens on, for `x-served-by`.
+    pub served_by: HeaderValue,
+    pub port: u16,
+    pub settings: Settings,
+    pub engine: EngineHandle,
+    pub metrics: Arc<Metrics>,
+    pub fault: watch::Sender<Fault>,
+    pub fail: FailRate,
+    pub next_id: AtomicU64,
+}
+
+impl Replica {
+    /// Builds the replica and starts its engine (needs a tokio runtime).
+    pub fn start(addr: std::net::SocketAddr, settings: Settings) -> Arc<Self> {
+        let cfg = &settings.cfg;
+        let metrics = Arc::new(Metrics::new(Info {
+            model: settings.model.clone(),
+            block_size: cfg.block_size,
+            num_gpu_blocks: cfg.kv_blocks,
+            max_lora: cfg.max_loras,
+            has_lora: !settings.loras.is_empty(),
+        }));
+        let engine = engine::spawn(cfg.clone(), metrics.clone(), settings.loras.clone());
+        let initial = match settings.slow_ms {
+            0 => Fault {
+                mode: Mode::Ok,
+                delay_ms: 0,
+            },
+            ms => Fault {
+                mode: Mode::Slow,
+                delay_ms: ms,
+            },
+        };
+        let served_by = HeaderValue::from_str(&addr.to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        Arc::new(Self {
+            served_by,
+            port: addr.port(),
+            fail: FailRate::new(settings.fail_rate),
+            settings,
+            engine,
+            metrics,
+            fault: watch::Sender::new(initial),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    /// Adapter index selected by a request's `model`; other names (including
+    /// unknown ones, for leniency toward test clients) mean the base model.
+    pub fn lora_index(&self, model: Option<&str>) -> Option<usize> {
+        let m = model?;
+        self.settings.loras.iter().position(|l| l == m)
+    }
+
+    /// Hash-chain seed: adapters never share KV with the base model or each
+    /// other, as in vLLM (the adapter is part of the block key).
+    pub fn hash_seed(&self, lora: Option<usize>) -> u64 {
+        lora.and_then(|i| self.settings.loras.get(i))
+            .map_or(0, |name| hash_str(name))
+    }
+}

@@ -1,0 +1,183 @@
+"""Replica load from metrics scraping, in a real Envoy with 4 workers: one
+scraper for the whole process, queue depth steering traffic, dead replicas
+excluded and readmitted, saturation shedding, hostile metrics pages."""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import (
+    Backend,
+    Envoy,
+    backends,
+    completion,
+    free_port,
+    render_config,
+    request,
+    vllm_metrics,
+)
+
+INTERVAL_MS = 100
+
+
+def start(pool, mode="override_host", concurrency=4, **extra):
+    plugin = {
+        "endpoints": pool,
+        "cluster": "pool",
+        "scrape_interval_ms": INTERVAL_MS,
+        "max_fallbacks": 1 if mode == "override_host" else 0,
+        **extra,
+    }
+    cfg = render_config(mode, plugin, pool, free_port(), free_port())
+    return Envoy(cfg, concurrency=concurrency)
+
+
+def wait_until(pred, timeout=5.0, step=0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+@pytest.mark.parametrize("mode", ["original_dst", "override_host"])
+def test_one_scraper_per_process_about_once_per_interval(mode):
+    with backends(3, metrics=vllm_metrics()) as bs, start([b.addr for b in bs], mode) as envoy:
+        time.sleep(0.5)
+        before = [b.metrics_hits for b in bs]
+        time.sleep(2.0)
+        hits = [b.metrics_hits - h for b, h in zip(bs, before)]
+        # 2 s / 100 ms = 20 per replica; 5 VMs scraping would be ~100.
+        assert all(12 <= h <= 30 for h in hits), hits
+        assert envoy.stat("prefix_router.eligible_replicas") == 3
+        assert all(envoy.stat(f"{b.addr.replace('.', '_').replace(':', '_')}.scrapes_ok") > 10 for b in bs)
+
+
+def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
+    with backends(4, metrics=vllm_metrics()) as bs:
+        bs[0].metrics = vllm_metrics(waiting=40, running=16, kv=0.7)
+        with start([b.addr for b in bs]) as envoy:
+            time.sleep(0.5)
+            served = Counter()
+            for i in range(40):
+                status, headers, _ = request(envoy.port, body=completion(f"short {i}"))
+                assert status == 200
+                served[headers["x-served-by"]] += 1
+            assert served[str(bs[0].port)] == 0, served
+            assert envoy.stat(f"{bs[0].addr.replace('.', '_').replace(':', '_')}.waiting") == 40
+
+
+def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
+    with backends(3, metrics=vllm_metrics()) as bs:
+        victim = Backend(metrics=vllm_metrics())
+        victim.__enter__()
+        port = victim.port
+        try:
+            pool = [b.addr for b in bs] + [victim.addr]
+            with start(pool) as envoy:
+                time.sleep(0.5)
+                label = victim.addr.replace(".", "_").replace(":", "_")
+                routed = lambda: envoy.stat(f"replica.{label}.routed")  # noqa: E731
+                statuses = Counter()
+
+                def burst(n, tag):
+                    for i in range(n):
+                        status, _, _ = request(envoy.port, body=completion(f"{tag} {i} " * 30))
+                        statuses[status] += 1
+
+                burst(20, "before")
+                assert victim.count > 0
+                victim.stop()
+                t_dead = time.time()
+                # Steady traffic across the failure: retries go to the
+                # fallback address in the header.
+                burst(30, "during")
+                time.sleep(3 * INTERVAL_MS / 1000 + 0.2)
+                frozen = routed()
+                burst(30, "after")
+                assert routed() == frozen, "dead replica still chosen after 3 intervals"
+                assert statuses == Counter({200: 80}), statuses
+                assert time.time() - t_dead < 30
+                # It comes back on its next good scrape.
+                victim = Backend(port=port, metrics=vllm_metrics())
+                victim.__enter__()
+                assert wait_until(lambda: envoy.stat("prefix_router.eligible_replicas") == 4)
+                burst(40, "recovered")
+                assert victim.count > 0
+                assert statuses[200] == 120
+        finally:
+            victim.stop()
+
+
+def test_saturated_pool_sheds_sheddable_requests_only():
+    busy = vllm_metrics(waiting=9, running=32, kv=0.95)
+    with backends(2, metrics=busy) as bs, start([b.addr for b in bs]) as envoy:
+        time.sleep(0.5)
+        status, headers, body = request(
+            envoy.port, body=completion("x" * 200), headers=[("x-prefix-router-priority", "sheddable")]
+        )
+        assert status == 429
+        assert headers["retry-after"] == "1"
+        err = json.loads(body)["error"]
+        assert err["type"] == "saturated" and "saturated" in err["message"]
+        status, _, _ = request(envoy.port, body=completion("x" * 200))
+        assert status == 200
+        status, _, _ = request(envoy.port, method="GET", path="/v1/models",
+                               headers=[("x-prefix-router-priority", "-1")])
+        assert status == 429
+        assert envoy.stat("prefix_router.shed_429") == 2
+        # Load drops: nothing is shed any more.
+        for b in bs:
+            b.metrics = vllm_metrics(waiting=0, running=1, kv=0.2)
+        time.sleep(0.4)
+        status, _, _ = request(
+            envoy.port, body=completion("x" * 200), headers=[("x-prefix-router-priority", "sheddable")]
+        )
+        assert status == 200
+
+
+def test_no_healthy_replica_is_a_503_with_the_cause():
+    with backends(2, metrics=None) as bs, start([b.addr for b in bs], mode="original_dst") as envoy:
+        # Every metrics page is a 404: after 3 failures nobody is eligible.
+        assert wait_until(lambda: envoy.stat(".scrapes_failed") >= 8, timeout=5)
+        assert envoy.stat(".scrapes_ok") == 0
+        status, headers, body = request(envoy.port, body=completion("hello"))
+        assert status == 503
+        assert json.loads(body)["error"]["type"] == "no_healthy_replica"
+        assert envoy.stat("prefix_router.unavailable_503") >= 1
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        b"",
+        b"\x00\xff garbage {{{ not prometheus\n" * 100,
+        b"vllm:num_requests_waiting{model_name=\"m\"} 1\n" + b"# padding\n" * (1 << 20),  # ~10 MB
+        "slow",
+    ],
+    ids=["empty", "garbage", "10MB", "slow"],
+)
+def test_hostile_metrics_pages_do_not_crash_or_stall_the_filter(page):
+    with backends(2, metrics=vllm_metrics()) as bs:
+        if page == "slow":
+            bs[0].metrics_delay_s = 5.0
+        else:
+            bs[0].metrics = page
+        with start([b.addr for b in bs], scrape_timeout_ms=300) as envoy:
+            time.sleep(1.5)
+            with ThreadPoolExecutor(4) as ex:
+                results = list(ex.map(lambda i: request(envoy.port, body=completion(f"q{i} " * 30)), range(20)))
+            assert all(r[0] == 200 for r in results)
+            served = Counter(r[1]["x-served-by"] for r in results)
+            # The bad replica is out after its failed scrapes.
+            assert served == Counter({str(bs[1].port): 20}), served
+            label = bs[0].addr.replace(".", "_").replace(":", "_")
+            assert envoy.stat(f"{label}.scrapes_failed") >= 3
+            assert envoy.stat("wasm.prefix-router.vm_reload_success") == 0
+            # The good replica kept being scraped on time.
+            assert envoy.stat(f"{bs[1].addr.replace('.', '_').replace(':', '_')}.scrapes_ok") >= 8
