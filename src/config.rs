@@ -71,6 +71,25 @@ impl Default for Weights {
     }
 }
 
+/// Route with prefix-router, or shadow a baseline policy: route with the
+/// baseline and only record what prefix-router would have done.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Route,
+    Shadow,
+}
+
+/// The policy shadow mode routes with.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Baseline {
+    RoundRobin,
+    #[default]
+    LeastRequest,
+}
+
 /// How load is counted for scoring.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
@@ -141,6 +160,12 @@ struct RawConfig {
     kv_threshold: f64,
     #[serde(default = "default_priority_header")]
     priority_header: String,
+    #[serde(default)]
+    mode: Mode,
+    #[serde(default)]
+    shadow_baseline: Baseline,
+    #[serde(default)]
+    debug_trap_on_request: Option<u64>,
 }
 
 fn default_header() -> String {
@@ -231,6 +256,12 @@ pub struct Config {
     pub queue_threshold: f64,
     pub kv_threshold: f64,
     pub priority_header: String,
+    pub mode: Mode,
+    pub shadow_baseline: Baseline,
+    /// Test-only fault injection: the VM traps (panics) on its N-th
+    /// request, to exercise Envoy's `failure_policy`. Never set in
+    /// production.
+    pub debug_trap_on_request: Option<u64>,
 }
 
 /// How replica metrics are scraped.
@@ -375,6 +406,9 @@ impl Config {
             queue_threshold: raw.queue_threshold,
             kv_threshold: raw.kv_threshold,
             priority_header,
+            mode: raw.mode,
+            shadow_baseline: raw.shadow_baseline,
+            debug_trap_on_request: raw.debug_trap_on_request,
         })
     }
 
@@ -514,6 +548,19 @@ mod tests {
         assert!(err(r#"{"endpoints":"10.0.0.1:1"}"#).contains("invalid type"));
         assert!(err("").contains("JSON"));
         assert!(Config::parse(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn shadow_mode_keys() {
+        let c = Config::parse(
+            br#"{"endpoints":["10.0.0.1:1"],"mode":"shadow","shadow_baseline":"round_robin"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.mode, Mode::Shadow);
+        assert_eq!(c.shadow_baseline, Baseline::RoundRobin);
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"mode":"yolo"}"#).contains("unknown variant `yolo`")
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! hashes → index lookup + pool load → ranking → destination header value;
 //! then `commit` records the pick (in-flight work, index entries).
 
-use crate::config::Config;
+use crate::config::{Baseline, Config};
 use crate::endpoint::Endpoint;
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
@@ -77,6 +77,20 @@ pub struct Choice {
     /// (endpoint index, cost), best first: for the debug header.
     pub costs: Vec<(usize, f64)>,
     pub matches: Matches,
+    /// (endpoint index, in-flight requests) of every eligible replica, in
+    /// endpoint order: what a least-request baseline decides on.
+    pub requests: Vec<(usize, u32)>,
+}
+
+/// A shadow decision: where the baseline routed, and what prefix-router
+/// would have done.
+#[derive(Debug, Clone)]
+pub struct Shadow {
+    /// The choice actually routed (the baseline's pick first).
+    pub routed: Choice,
+    /// prefix-router's own pick and its matched blocks.
+    pub ours: usize,
+    pub ours_matched: u32,
 }
 
 /// A priority header value that marks a request as droppable under
@@ -220,7 +234,13 @@ impl Router {
             .and_then(|&i| matches.blocks.get(&cands[i].id))
             .copied()
             .unwrap_or((0, 0));
+        let requests = eligible
+            .iter()
+            .zip(&cands)
+            .map(|(&i, c)| (i, c.load.requests))
+            .collect();
         Ok(Choice {
+            requests,
             order: ranked.order.iter().map(|&i| eligible[i]).collect(),
             reason: ranked.reason,
             blocks,
@@ -234,6 +254,48 @@ impl Router {
                 .collect(),
             matches,
         })
+    }
+
+    /// Shadow mode: route with the baseline instead, keeping our ranking for
+    /// the fallbacks and the stats. `seq` is this VM's request counter (the
+    /// round-robin position; per-VM round robin is what Envoy does too).
+    pub fn shadow(&self, choice: Choice, seq: u64) -> Shadow {
+        let ours = choice.order.first().copied().unwrap_or(0);
+        let ours_matched = choice.matched;
+        let pick = match self.config.shadow_baseline {
+            Baseline::RoundRobin => {
+                let n = choice.requests.len().max(1) as u64;
+                choice.requests.get((seq % n) as usize).map(|r| r.0)
+            }
+            Baseline::LeastRequest => {
+                // Fewest in flight; ties rotate with `seq` like Envoy's.
+                let min = choice.requests.iter().map(|r| r.1).min().unwrap_or(0);
+                let ties: Vec<usize> = choice
+                    .requests
+                    .iter()
+                    .filter(|r| r.1 == min)
+                    .map(|r| r.0)
+                    .collect();
+                ties.get((seq % ties.len().max(1) as u64) as usize).copied()
+            }
+        }
+        .unwrap_or(ours);
+        let mut order = vec![pick];
+        order.extend(choice.order.iter().copied().filter(|&i| i != pick));
+        let id = self.config.endpoints.get(pick).map(|e| e.id()).unwrap_or(0);
+        let (matched, stamped) = choice.matches.blocks.get(&id).copied().unwrap_or((0, 0));
+        let routed = Choice {
+            order,
+            matched,
+            stamped,
+            work: self.params.work_of(choice.blocks, matched),
+            ..choice
+        };
+        Shadow {
+            routed,
+            ours,
+            ours_matched,
+        }
     }
 
     /// Every eligible replica with fresh metrics is over a threshold (and
@@ -418,6 +480,38 @@ mod tests {
         }
         seen.sort();
         assert_eq!(seen, vec![0, 1, 2, 3], "each idle replica gets one");
+    }
+
+    #[test]
+    fn shadow_routes_with_the_baseline_and_measures_the_gap() {
+        for (baseline, name) in [("round_robin", "rr"), ("least_request", "lr")] {
+            let r = router(&format!(
+                r#","mode":"shadow","shadow_baseline":"{baseline}""#
+            ));
+            let s = MemStore::new();
+            let mut board = LoadBoard::new(1, 10_000);
+            let (mut ours, mut base) = (0u64, 0u64);
+            let mut picks = std::collections::HashSet::new();
+            // 30 documents, each asked twice: the second ask finds its
+            // document on one replica, which the baseline hits 1 time in 4.
+            for q in 0..60 {
+                let h = hashed(&r, &doc(q % 30, q));
+                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+                let sh = r.shadow(c, q as u64);
+                picks.insert(sh.routed.order[0]);
+                ours += sh.ours_matched as u64;
+                base += sh.routed.matched as u64;
+                r.commit(&s, &mut board, &sh.routed, &h, 1000);
+                if name == "lr" {
+                    let id = r.endpoint(sh.routed.order[0]).unwrap().id();
+                    board.finish(&s, id, sh.routed.work, 1000);
+                }
+            }
+            // The baseline spreads the two documents over all replicas...
+            assert_eq!(picks.len(), 4, "{name}");
+            // ...and our pick would have matched far more of each prefix.
+            assert!(ours > base * 2, "{name}: ours {ours} vs baseline {base}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use proxy_wasm::types::{Action, MapType};
 use super::abi;
 use super::root::Worker;
 use super::shared::SharedData;
-use crate::config::DEFAULT_DESTINATION_HEADER;
+use crate::config::{Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::ReplicaId;
 use crate::request;
 use crate::route::{is_sheddable, Choice, Hashed, Meta, Reject};
@@ -85,6 +85,25 @@ impl Http {
                 }
                 self.reject(&reject);
                 return false;
+            }
+        };
+        w.seq += 1;
+        if cfg.debug_trap_on_request == Some(w.seq) {
+            // Deliberate, test-only: exercises Envoy's failure_policy.
+            panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
+        }
+        let choice = match cfg.mode {
+            Mode::Route => choice,
+            Mode::Shadow => {
+                let sh = w.router.shadow(choice, w.seq);
+                let s = &w.stats;
+                s.shadow_requests.inc();
+                s.shadow_matched.add(sh.ours_matched as i64);
+                s.shadow_baseline_matched.add(sh.routed.matched as i64);
+                if sh.routed.order.first() == Some(&sh.ours) {
+                    s.shadow_agree.inc();
+                }
+                sh.routed
             }
         };
         let Some(&first) = choice.order.first() else {

@@ -20,6 +20,8 @@ pub struct Worker {
     pub router: Router,
     pub board: LoadBoard,
     pub stats: Stats,
+    /// Requests this VM has routed (round-robin position in shadow mode).
+    pub seq: u64,
 }
 
 pub struct Root {
@@ -97,6 +99,7 @@ impl RootContext for Root {
             router,
             board,
             stats,
+            seq: 0,
         })));
         true
     }

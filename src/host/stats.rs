@@ -67,6 +67,10 @@ pub struct Stats {
     pub index_cas_retries: Metric,
     pub index_write_failures: Metric,
     pub shed_429: Metric,
+    pub shadow_requests: Metric,
+    pub shadow_matched: Metric,
+    pub shadow_baseline_matched: Metric,
+    pub shadow_agree: Metric,
     pub unavailable_503: Metric,
     pub replicas: HashMap<ReplicaId, ReplicaStats>,
 }
@@ -107,6 +111,10 @@ impl Stats {
             index_cas_retries: c("index.cas_retries"),
             index_write_failures: c("index.write_failures"),
             shed_429: c("shed_429"),
+            shadow_requests: c("shadow.requests"),
+            shadow_matched: c("shadow.matched_blocks_total"),
+            shadow_baseline_matched: c("shadow.baseline_matched_blocks_total"),
+            shadow_agree: c("shadow.agree"),
             unavailable_503: c("unavailable_503"),
             replicas,
         }

@@ -1,0 +1,251 @@
+"""Hardening in a real Envoy: shadow mode, the VM failure policy, header
+spoofing tricks, large and slow bodies, and a short bounded soak."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import (
+    HEADER,
+    Backend,
+    Envoy,
+    backends,
+    completion,
+    free_port,
+    render_config,
+    request,
+)
+
+
+def start(pool, envoy_mode="override_host", concurrency=2, failure_policy=None, buffer_limit=None, **extra):
+    plugin = {"endpoints": pool, **extra}
+    if envoy_mode == "original_dst":
+        plugin.setdefault("max_fallbacks", 0)
+    cfg = render_config(envoy_mode, plugin, pool, free_port(), free_port(), buffer_limit=buffer_limit)
+    if failure_policy:
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        wasm = hcm["http_filters"][0]["typed_config"]["config"]
+        wasm["failure_policy"] = failure_policy
+        if failure_policy == "FAIL_RELOAD":
+            # Reload quickly for the test (the default backoff is 1 s).
+            wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
+    return Envoy(cfg, concurrency=concurrency)
+
+
+def label(addr: str) -> str:
+    return addr.replace(".", "_").replace(":", "_")
+
+
+# ---------------------------------------------------------------- shadow mode
+
+
+def test_shadow_mode_routes_like_the_baseline_and_measures_the_gain():
+    with backends(4) as bs:
+        pool = [b.addr for b in bs]
+        with start(pool, concurrency=1, mode="shadow", shadow_baseline="round_robin") as envoy:
+            served = []
+            # 21 documents asked 3 times each, interleaved (shared-prefix
+            # shape; 21 so round robin doesn't line up with the documents).
+            for rnd in range(3):
+                for d in range(21):
+                    body = completion(f"Document {d}. " + f"Text of document {d}. " * 60 + f" Q{rnd}?")
+                    status, headers, _ = request(envoy.port, body=body)
+                    assert status == 200
+                    served.append(headers["x-served-by"])
+            # Round robin, in pool order, exactly.
+            order = [str(b.port) for b in bs]
+            start_at = order.index(served[0])
+            assert served == [order[(start_at + i) % 4] for i in range(len(served))]
+            ours = envoy.stat("prefix_router.shadow.matched_blocks_total")
+            base = envoy.stat("prefix_router.shadow.baseline_matched_blocks_total")
+            assert envoy.stat("prefix_router.shadow.requests") == 63
+            # Rounds 2 and 3 could have hit the document's holder every time;
+            # round robin sends each document somewhere new each round.
+            assert ours > 2 * base and ours > 0, (ours, base)
+
+
+# ------------------------------------------------------------ failure policy
+
+
+@pytest.mark.parametrize("policy", ["FAIL_OPEN", "FAIL_RELOAD", "FAIL_CLOSED"])
+def test_vm_failure_policy(policy):
+    with backends(2) as bs:
+        pool = [b.addr for b in bs]
+        with start(pool, concurrency=1, failure_policy=policy, debug_trap_on_request=5) as envoy:
+            results = []
+            for i in range(20):
+                status, headers, _ = request(envoy.port, body=completion(f"req {i} " * 20))
+                results.append(status)
+                time.sleep(0.05)
+            stats = envoy.stats()
+            assert results[:4] == [200] * 4
+            if policy == "FAIL_OPEN":
+                # Traffic keeps flowing through the fallback LB policy.
+                assert results[5:] == [200] * 15, results
+            elif policy == "FAIL_RELOAD":
+                # The VM comes back and routes again (and traps again on its
+                # 5th request: the counter restarts with the VM).
+                assert stats.get("wasm.prefix-router.vm_reload_success", 0) >= 1, stats
+                assert results.count(200) >= 15, results
+                assert envoy.stat("prefix_router.requests_total") >= 8
+            else:
+                # FAIL_CLOSED: every request after the trap fails.
+                assert all(s >= 500 for s in results[5:]), results
+
+
+# ------------------------------------------------------------------ spoofing
+
+
+@pytest.mark.parametrize("mode", ["original_dst", "override_host"])
+def test_spoofing_table(mode):
+    with backends(2) as bs, Backend() as canary, start([b.addr for b in bs], mode) as envoy:
+        c = canary.addr
+        v6 = f"[::ffff:127.0.0.1]:{canary.port}"
+        tricks = {
+            "exact": [(HEADER, c)],
+            "mixed case name": [("X-GaTeWaY-DeStInAtIoN-EnDpOiNt", c)],
+            "duplicates": [(HEADER, c), (HEADER, c), (HEADER, c)],
+            "empty": [(HEADER, "")],
+            "whitespace": [(HEADER, f"   {c}\t")],
+            "comma list outside": [(HEADER, f"{c},{c}")],
+            "comma list with a replica": [(HEADER, f"{c},{bs[0].addr}")],
+            "ipv6 mapped": [(HEADER, v6)],
+            "ipv6 loopback": [(HEADER, f"[::1]:{canary.port}")],
+            "original_dst header": [("x-envoy-original-dst-host", c)],
+        }
+        pool = {b.addr for b in bs}
+        for name, hdrs in tricks.items():
+            for path, body in [("/v1/completions", completion("a " * 50)), ("/v1/models", None)]:
+                method = "POST" if body else "GET"
+                status, headers, _ = request(envoy.port, method, path, body, headers=hdrs)
+                assert status == 200, name
+                assert headers["x-served-by"] != str(canary.port), name
+        assert canary.count == 0
+        for b in bs:
+            for r in b.requests:
+                assert len(r["dest"]) == 1 and all(a in pool for a in r["dest"][0].split(","))
+
+
+def test_debug_header_from_upstream_or_client_is_not_trusted():
+    # debug_header off: no x-prefix-router-debug goes out, whatever arrives.
+    with backends(1) as bs, start([b.addr for b in bs]) as envoy:
+        status, headers, _ = request(
+            envoy.port, body=completion("x"), headers=[("x-prefix-router-debug", "replica=evil")]
+        )
+        assert status == 200
+        assert "x-prefix-router-debug" not in headers
+
+
+# ----------------------------------------------------- large and slow bodies
+
+
+def test_over_the_buffer_limit_is_a_clean_413_and_nothing_leaks():
+    with backends(2) as bs, start([b.addr for b in bs], buffer_limit=1 << 20) as envoy:
+        ok = b'{"model":"m","prompt":"' + b"y" * 900_000 + b'"}'
+        big = b'{"model":"m","prompt":"' + b"z" * (3 << 20) + b'"}'
+        assert request(envoy.port, body=ok)[0] == 200
+        status, _, _ = request(envoy.port, body=big)
+        assert status == 413
+        assert sum(b.count for b in bs) == 1
+        assert envoy.stat(".inflight") == 0
+        assert request(envoy.port, body=completion("after"))[0] == 200
+        assert envoy.stat("prefix_router.requests_total") == 2
+
+
+def test_a_slow_body_does_not_block_other_requests_on_the_worker():
+    with backends(2) as bs, start([b.addr for b in bs], concurrency=1) as envoy:
+        body = completion("slow " * 400)
+        raw = __import__("json").dumps(body).encode()
+        done = threading.Event()
+
+        def trickle():
+            s = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(raw)}\r\n\r\n"
+            ).encode()
+            s.sendall(head)
+            step = len(raw) // 10 + 1
+            for i in range(0, len(raw), step):
+                s.sendall(raw[i : i + step])
+                time.sleep(0.3)
+            resp = s.recv(65536)
+            s.close()
+            assert resp.startswith(b"HTTP/1.1 200")
+            done.set()
+
+        t = threading.Thread(target=trickle)
+        t.start()
+        time.sleep(0.3)
+        # While the body trickles in over ~3 s, other requests on the same
+        # (only) worker are served at once.
+        lat = []
+        for i in range(10):
+            t0 = time.time()
+            assert request(envoy.port, body=completion(f"fast {i}"))[0] == 200
+            lat.append(time.time() - t0)
+        assert not done.is_set(), "the slow body finished too early to prove anything"
+        assert max(lat) < 1.0, lat
+        t.join(timeout=15)
+        assert done.is_set()
+
+
+# -------------------------------------------------------------------- soak
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_short_soak_distinct_prefixes_bounded_index_and_memory():
+    """Short version of the soak (the long one is `scripts/soak`)."""
+    seconds = float(os.environ.get("SOAK_SECONDS", "15"))
+    with backends(4) as bs, start([b.addr for b in bs], concurrency=2, index_capacity=1024) as envoy:
+        pid = envoy.proc.pid
+        errors = Counter()
+        sent = [0]
+        rss = []
+        stop = time.time() + seconds
+        rss.append(rss_kb(pid))
+
+        def client(k):
+            i = 0
+            while time.time() < stop:
+                body = completion(f"client {k} unique document {i} " * 30)
+                try:
+                    status, _, _ = request(envoy.port, body=body, timeout=10)
+                except OSError as e:
+                    errors[type(e).__name__] += 1
+                    continue
+                if status != 200:
+                    errors[status] += 1
+                sent[0] += 1
+                i += 1
+
+        with ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(client, k) for k in range(4)]
+            while time.time() < stop:
+                time.sleep(1)
+                rss.append(rss_kb(pid))
+            for f in futs:
+                f.result()
+        entries = envoy.stat("prefix_router.index.entries")
+        print(f"soak: {sent[0]} requests in {seconds}s, RSS kB start/peak/end {rss[0]}/{max(rss)}/{rss[-1]}, "
+              f"index entries {entries}, evictions {envoy.stat('prefix_router.index.evictions')}")
+        assert not errors, errors
+        assert sent[0] > 100
+        assert entries <= 1024
+        assert envoy.stat("prefix_router.index.evictions") > 0
+        # Flat after warm-up: the second half grows by less than 16 MB.
+        half = rss[len(rss) // 2]
+        assert rss[-1] - half < 16 * 1024, rss
