@@ -15,6 +15,8 @@
 
 pub mod config;
 pub mod endpoint;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod index;
 pub mod load;
 pub mod metrics;

@@ -75,6 +75,14 @@ fn decode(buf: &[u8]) -> Option<Slot> {
     })
 }
 
+/// Fuzzing support: see `index::check_codec`.
+#[doc(hidden)]
+pub fn check_codec(buf: &[u8]) {
+    if let Some(slot) = decode(buf) {
+        assert_eq!(decode(&encode(&slot)).as_ref(), Some(&slot));
+    }
+}
+
 /// One VM's view: its own counts (authoritative) and its slot.
 pub struct LoadBoard {
     owner: u64,

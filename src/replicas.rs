@@ -139,6 +139,14 @@ impl Table {
     }
 }
 
+/// Fuzzing support: see `index::check_codec`.
+#[doc(hidden)]
+pub fn check_codec(buf: &[u8]) {
+    let t = Table::decode(buf);
+    assert!(t.rows.len() <= MAX_ROWS);
+    assert_eq!(Table::decode(&t.encode()), t);
+}
+
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }

@@ -1,0 +1,49 @@
+//! Entry points shared by the cargo-fuzz targets (`fuzz/`) and the fuzz
+//! smoke test (`tests/fuzz_smoke.rs`): each takes arbitrary bytes, must
+//! never panic, and asserts the invariants the filter relies on.
+
+use crate::config::Config;
+use crate::metrics::{self, Engine};
+use crate::request;
+use crate::route::Hashed;
+
+const CAP: usize = 16 * 1024;
+
+/// Request body → prompt → block hashes.
+pub fn request_body(data: &[u8]) {
+    let cfg = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).expect("static config");
+    if let Ok(p) = request::extract(data, CAP) {
+        assert!(p.text.len() <= CAP);
+        let h = Hashed::of(&p, &cfg);
+        assert!(h.blocks.len() <= cfg.max_blocks);
+        assert_eq!(h.blocks.len(), p.text.len() / cfg.block_bytes);
+    }
+}
+
+/// Prometheus text for every engine.
+pub fn metrics_page(data: &[u8]) {
+    for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm] {
+        if let Ok(m) = metrics::parse(engine, data, 1 << 20) {
+            assert!(m.waiting.is_finite() && m.waiting >= 0.0);
+            assert!(m.running.is_finite() && m.running >= 0.0);
+            assert!((0.0..=1.0).contains(&m.kv_usage));
+            assert!(m.running_lora.len() <= metrics::MAX_LORA_ADAPTERS);
+        }
+    }
+}
+
+/// Plugin configuration: accepted configs are internally consistent.
+pub fn plugin_config(data: &[u8]) {
+    if let Ok(c) = Config::parse(data) {
+        assert!(!c.endpoints.is_empty());
+        assert!(c.max_fallbacks <= crate::config::MAX_FALLBACKS);
+        assert!(c.block_bytes >= 8 && c.max_blocks >= 1);
+    }
+}
+
+/// Shared-data records read back from any bytes: absent or well-formed.
+pub fn shared_records(data: &[u8]) {
+    crate::index::check_codec(data);
+    crate::load::check_codec(data);
+    crate::replicas::check_codec(data);
+}
