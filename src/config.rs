@@ -102,10 +102,30 @@ pub enum LoadMeasure {
     Requests,
 }
 
+/// Follow the pool's hosts from Envoy's admin `/clusters` instead of (or
+/// besides) a static list.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Discovery {
+    /// The Envoy cluster whose hosts are the replicas.
+    pub cluster: String,
+    /// A cluster that reaches Envoy's admin listener (see README: security).
+    pub admin_cluster: String,
+    #[serde(default = "default_discovery_interval")]
+    pub interval_ms: u64,
+}
+
+fn default_discovery_interval() -> u64 {
+    1000
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    #[serde(default)]
     endpoints: Vec<String>,
+    #[serde(default)]
+    discovery: Option<Discovery>,
     #[serde(default = "default_header")]
     destination_header: String,
     #[serde(default = "default_paths")]
@@ -262,6 +282,7 @@ pub struct Config {
     /// request, to exercise Envoy's `failure_policy`. Never set in
     /// production.
     pub debug_trap_on_request: Option<u64>,
+    pub discovery: Option<Discovery>,
 }
 
 /// How replica metrics are scraped.
@@ -281,7 +302,32 @@ impl Config {
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|_| ConfigError::NotUtf8)?;
         let raw: RawConfig = serde_json::from_str(text)?;
-        let endpoints = parse_endpoints(&raw.endpoints)?;
+        if let Some(d) = &raw.discovery {
+            for (key, v) in [
+                ("discovery.cluster", &d.cluster),
+                ("discovery.admin_cluster", &d.admin_cluster),
+            ] {
+                if v.is_empty() || v.len() > 256 {
+                    return Err(ConfigError::Range {
+                        key,
+                        why: "must be a non-empty Envoy cluster name".into(),
+                    });
+                }
+            }
+            range(
+                "discovery.interval_ms",
+                d.interval_ms as usize,
+                50,
+                3_600_000,
+            )?;
+        }
+        // With discovery the static list may be empty: the pool comes
+        // from Envoy.
+        let endpoints = if raw.endpoints.is_empty() && raw.discovery.is_some() {
+            Vec::new()
+        } else {
+            parse_endpoints(&raw.endpoints)?
+        };
         let destination_header = check_header(&raw.destination_header)?;
         let inference_paths = check_paths(raw.inference_paths)?;
         range("max_fallbacks", raw.max_fallbacks, 0, MAX_FALLBACKS)?;
@@ -409,6 +455,7 @@ impl Config {
             mode: raw.mode,
             shadow_baseline: raw.shadow_baseline,
             debug_trap_on_request: raw.debug_trap_on_request,
+            discovery: raw.discovery,
         })
     }
 
@@ -548,6 +595,18 @@ mod tests {
         assert!(err(r#"{"endpoints":"10.0.0.1:1"}"#).contains("invalid type"));
         assert!(err("").contains("JSON"));
         assert!(Config::parse(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn discovery_allows_an_empty_static_list() {
+        let c =
+            Config::parse(br#"{"discovery":{"cluster":"pool","admin_cluster":"admin"}}"#).unwrap();
+        assert!(c.endpoints.is_empty());
+        assert_eq!(c.discovery.unwrap().interval_ms, 1000);
+        assert!(err(r#"{"discovery":{"cluster":"","admin_cluster":"a"}}"#)
+            .contains("discovery.cluster"));
+        assert!(err(r#"{"discovery":{"cluster":"p"}}"#).contains("admin_cluster"));
+        assert!(err(r#"{}"#).contains("`endpoints`: the list is empty"));
     }
 
     #[test]

@@ -47,3 +47,8 @@ pub fn shared_records(data: &[u8]) {
     crate::load::check_codec(data);
     crate::replicas::check_codec(data);
 }
+
+/// Envoy admin `/clusters?format=json` answers (discovery).
+pub fn admin_clusters(data: &[u8]) {
+    crate::discovery::check_admin_json(data);
+}

@@ -14,6 +14,7 @@
 //! `host` is the thin layer that talks to Envoy.
 
 pub mod config;
+pub mod discovery;
 pub mod endpoint;
 #[doc(hidden)]
 pub mod fuzz;

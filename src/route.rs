@@ -3,6 +3,7 @@
 //! then `commit` records the pick (in-flight work, index entries).
 
 use crate::config::{Baseline, Config};
+use crate::discovery;
 use crate::endpoint::Endpoint;
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
@@ -19,6 +20,11 @@ const PLACEMENT_BLOCKS: usize = 32;
 
 pub struct Router {
     pub config: Config,
+    /// The pool now: the static list, plus what discovery published.
+    endpoints: Vec<Endpoint>,
+    /// Discovered-only replicas wait for their first good scrape.
+    discovered_only: Vec<bool>,
+    discovery_token: Option<u32>,
     index: PrefixIndex,
     params: ScoreParams,
     stale_ms: u64,
@@ -139,6 +145,9 @@ impl Router {
         // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
         let stale_ms = (config.tick_ms * 10).max(2000);
         Router {
+            endpoints: config.endpoints.clone(),
+            discovered_only: vec![false; config.endpoints.len()],
+            discovery_token: None,
             index: PrefixIndex::new(config.index_capacity, config.index_stride),
             params,
             stale_ms,
@@ -151,7 +160,63 @@ impl Router {
     }
 
     pub fn endpoint(&self, i: usize) -> Option<&Endpoint> {
-        self.config.endpoints.get(i)
+        self.endpoints.get(i)
+    }
+
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    /// Pick up a new discovered set if one was published since last time
+    /// (one shared-data read; rebuilt only when its token changes).
+    pub fn refresh<S: Store + ?Sized>(&mut self, store: &S) {
+        if self.config.discovery.is_none() {
+            return;
+        }
+        let Some((found, token)) = discovery::load(store) else {
+            return;
+        };
+        if self.discovery_token == Some(token) {
+            return;
+        }
+        self.discovery_token = Some(token);
+        let mut eps = self.config.endpoints.clone();
+        let mut only = vec![false; eps.len()];
+        for e in found {
+            if !eps.iter().any(|s| s.id() == e.id()) {
+                eps.push(e);
+                only.push(true);
+            }
+        }
+        self.endpoints = eps;
+        self.discovered_only = only;
+    }
+
+    /// How many replicas are eligible now (for the operator's gauge).
+    pub fn eligible_count<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> usize {
+        let table = Table::load(store);
+        let health = self.health();
+        (0..self.endpoints.len())
+            .filter(|&i| self.eligible(i, &table, &health, now_ms))
+            .count()
+    }
+
+    /// Eligible to receive traffic: healthy per the replica table; a
+    /// replica known only from discovery also needs one good scrape first
+    /// (when scraping is on), so a new pod isn't sent traffic blind.
+    fn eligible(&self, i: usize, table: &Table, health: &HealthPolicy, now_ms: u64) -> bool {
+        let Some(ep) = self.endpoints.get(i) else {
+            return false;
+        };
+        let needs_scrape =
+            self.config.scrape.is_some() && self.discovered_only.get(i).copied().unwrap_or(false);
+        if needs_scrape {
+            table
+                .row(ep.id())
+                .is_some_and(|r| r.healthy(health, now_ms))
+        } else {
+            table.eligible(ep.id(), health, now_ms)
+        }
     }
 
     fn health(&self) -> HealthPolicy {
@@ -173,8 +238,8 @@ impl Router {
     ) -> Result<Choice, Reject> {
         let table = Table::load(store);
         let health = self.health();
-        let eligible: Vec<usize> = (0..self.config.endpoints.len())
-            .filter(|&i| table.eligible(self.config.endpoints[i].id(), &health, now_ms))
+        let eligible: Vec<usize> = (0..self.endpoints.len())
+            .filter(|&i| self.eligible(i, &table, &health, now_ms))
             .collect();
         if eligible.is_empty() {
             return Err(Reject {
@@ -182,13 +247,13 @@ impl Router {
                 kind: "no_healthy_replica",
                 message: format!(
                     "no healthy replica: all {} replicas failed or missed their metrics scrapes",
-                    self.config.endpoints.len()
+                    self.endpoints.len()
                 ),
             });
         }
         let rows: Vec<Option<&Row>> = eligible
             .iter()
-            .map(|&i| table.row(self.config.endpoints[i].id()))
+            .map(|&i| table.row(self.endpoints[i].id()))
             .collect();
         if meta.sheddable && self.saturated(&rows) {
             return Err(Reject {
@@ -215,7 +280,7 @@ impl Router {
             .iter()
             .zip(&rows)
             .map(|(&i, row)| {
-                let id = self.config.endpoints[i].id();
+                let id = self.endpoints[i].id();
                 Candidate {
                     id,
                     matched: matches.get(id),
@@ -282,7 +347,7 @@ impl Router {
         .unwrap_or(ours);
         let mut order = vec![pick];
         order.extend(choice.order.iter().copied().filter(|&i| i != pick));
-        let id = self.config.endpoints.get(pick).map(|e| e.id()).unwrap_or(0);
+        let id = self.endpoints.get(pick).map(|e| e.id()).unwrap_or(0);
         let (matched, stamped) = choice.matches.blocks.get(&id).copied().unwrap_or((0, 0));
         let routed = Choice {
             order,
@@ -512,6 +577,36 @@ mod tests {
             // ...and our pick would have matched far more of each prefix.
             assert!(ours > base * 2, "{name}: ours {ours} vs baseline {base}");
         }
+    }
+
+    #[test]
+    fn discovered_replicas_join_after_their_first_scrape_and_leave_when_gone() {
+        use crate::metrics::ReplicaMetrics;
+        use crate::replicas::record_scrape;
+        let json = r#"{"endpoints":["10.0.0.1:80"],"cluster":"pool",
+            "discovery":{"cluster":"pool","admin_cluster":"admin"}}"#;
+        let mut r = Router::new(Config::parse(json.as_bytes()).unwrap());
+        let s = MemStore::new();
+        let new: Endpoint = "10.0.0.9:80".parse().unwrap();
+        discovery::publish(&s, std::slice::from_ref(&new));
+        r.refresh(&s);
+        assert_eq!(r.endpoints().len(), 2);
+        let picks = |r: &Router, now| {
+            (0..40)
+                .flat_map(|q| {
+                    r.decide(&s, &hashed(r, &doc(q, 0)), Meta::default(), now)
+                        .unwrap()
+                        .order
+                })
+                .collect::<std::collections::HashSet<usize>>()
+        };
+        assert_eq!(picks(&r, 1000), [0].into(), "not before its first scrape");
+        let ids: Vec<u64> = r.endpoints().iter().map(|e| e.id()).collect();
+        record_scrape(&s, new.id(), Ok(&ReplicaMetrics::default()), &ids, 1000).unwrap();
+        assert!(picks(&r, 1000).contains(&1));
+        discovery::publish(&s, &[]);
+        r.refresh(&s);
+        assert_eq!(r.endpoints().len(), 1);
     }
 
     #[test]

@@ -110,6 +110,11 @@ fn plugin_configs() {
 }
 
 #[test]
+fn admin_clusters_json() {
+    assert!(run("admin", 20_000, fuzz::admin_clusters) > 20_000);
+}
+
+#[test]
 fn shared_records() {
     // Records are binary: mutate real encodings from the request seeds'
     // bytes as well as random bytes.

@@ -51,6 +51,7 @@ impl Http {
         };
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
+        w.router.refresh(&SharedData);
         let cfg = &w.router.config;
         let mut model = None;
         let hashed = match body {
@@ -127,6 +128,7 @@ impl Http {
             .router
             .commit(&SharedData, &mut w.board, &choice, &hashed, now);
         self.routed = Some((ep.id(), choice.work));
+        w.stats.ensure_replica(&ep);
         self.count(w, &choice, ep.id(), rec);
         if cfg.debug_header {
             self.debug = Some(w.router.explain(&choice));

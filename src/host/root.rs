@@ -58,7 +58,7 @@ impl Context for Root {
         let (Some(w), Some(s)) = (&self.worker, &mut self.scraper) else {
             return;
         };
-        s.on_response(&w.borrow().router.config, token, body_size, super::now_ms());
+        s.on_response(&w.borrow().router, token, body_size, super::now_ms());
     }
 }
 
@@ -85,9 +85,14 @@ impl RootContext for Root {
         let mut tick = router.config.tick_ms;
         if let Some(s) = &router.config.scrape {
             tick = tick.min(s.interval_ms);
-            self.scraper = Some(Scraper::new(&router.config, owner));
         } else {
             log::info!("prefix-router: metrics scraping off (set `cluster` to enable)");
+        }
+        if let Some(d) = &router.config.discovery {
+            tick = tick.min(d.interval_ms);
+        }
+        if router.config.scrape.is_some() || router.config.discovery.is_some() {
+            self.scraper = Some(Scraper::new(owner));
         }
         self.set_tick_period(Duration::from_millis(tick));
         log::info!(
@@ -107,9 +112,13 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         let Some(w) = &self.worker else { return };
         let now = super::now_ms();
-        w.borrow_mut().board.heartbeat(&SharedData, now);
+        {
+            let mut w = w.borrow_mut();
+            w.board.heartbeat(&SharedData, now);
+            w.router.refresh(&SharedData);
+        }
         if let Some(s) = &mut self.scraper {
-            s.tick(&w.borrow().router.config, now);
+            s.tick(&w.borrow().router, now);
         }
     }
 

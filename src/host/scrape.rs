@@ -1,6 +1,7 @@
-//! Timer-driven scraping of every replica's metrics page, by whichever VM
-//! holds the scraper lease, through the pool cluster with the destination
-//! header set (so Envoy reaches the right replica without a cluster each).
+//! Timer-driven work of the one VM holding the scraper lease: GET every
+//! replica's metrics page through the pool cluster with the destination
+//! header set (so Envoy reaches the right replica without a cluster each),
+//! and, with discovery on, read the pool's hosts from Envoy's admin.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -10,10 +11,15 @@ use proxy_wasm::types::{BufferType, MapType, MetricType};
 
 use super::shared::SharedData;
 use super::stats::Metric;
-use crate::config::Config;
-use crate::endpoint::ReplicaId;
+use crate::discovery;
+use crate::endpoint::{Endpoint, ReplicaId};
 use crate::metrics;
-use crate::replicas::{self, HealthPolicy, Lease, Table};
+use crate::replicas::{self, Lease};
+use crate::route::Router;
+
+/// Largest admin `/clusters` answer read (a pool of 1,024 hosts with stats
+/// is well under this).
+const MAX_ADMIN_BYTES: usize = 8 << 20;
 
 struct ReplicaGauges {
     ok: Metric,
@@ -23,169 +29,251 @@ struct ReplicaGauges {
     kv_percent: Metric,
 }
 
+impl ReplicaGauges {
+    fn define(ep: &Endpoint) -> ReplicaGauges {
+        let l = ep.stat_label();
+        let m = |kind, n: &str| Metric::define(kind, &format!("prefix_router.replica.{l}.{n}"));
+        ReplicaGauges {
+            ok: m(MetricType::Counter, "scrapes_ok"),
+            failed: m(MetricType::Counter, "scrapes_failed"),
+            waiting: m(MetricType::Gauge, "waiting"),
+            running: m(MetricType::Gauge, "running"),
+            kv_percent: m(MetricType::Gauge, "kv_usage_percent"),
+        }
+    }
+}
+
+enum Call {
+    Metrics(Endpoint),
+    Discovery,
+}
+
 pub struct Scraper {
     owner: u64,
     next_ms: u64,
-    /// Call token → endpoint index, one call per replica at a time (a slow
-    /// page never piles up calls).
-    pending: HashMap<u32, usize>,
-    gauges: Vec<ReplicaGauges>,
+    next_discovery_ms: u64,
+    /// Call token → what it fetches; one call per replica at a time, so a
+    /// slow page never piles up calls.
+    pending: HashMap<u32, Call>,
+    gauges: HashMap<ReplicaId, ReplicaGauges>,
     eligible: Metric,
     takeovers: Metric,
-    holding: bool,
+    discovered: Metric,
+    discovery_failures: Metric,
 }
 
 impl Scraper {
-    pub fn new(config: &Config, owner: u64) -> Scraper {
-        let gauges = config
-            .endpoints
-            .iter()
-            .map(|e| {
-                let l = e.stat_label();
-                let m =
-                    |kind, n: &str| Metric::define(kind, &format!("prefix_router.replica.{l}.{n}"));
-                ReplicaGauges {
-                    ok: m(MetricType::Counter, "scrapes_ok"),
-                    failed: m(MetricType::Counter, "scrapes_failed"),
-                    waiting: m(MetricType::Gauge, "waiting"),
-                    running: m(MetricType::Gauge, "running"),
-                    kv_percent: m(MetricType::Gauge, "kv_usage_percent"),
-                }
-            })
-            .collect();
+    pub fn new(owner: u64) -> Scraper {
+        let g = |n: &str| Metric::define(MetricType::Gauge, &format!("prefix_router.{n}"));
+        let c = |n: &str| Metric::define(MetricType::Counter, &format!("prefix_router.{n}"));
         Scraper {
             owner,
             next_ms: 0,
+            next_discovery_ms: 0,
             pending: HashMap::new(),
-            gauges,
-            eligible: Metric::define(MetricType::Gauge, "prefix_router.eligible_replicas"),
-            takeovers: Metric::define(MetricType::Counter, "prefix_router.scrape.lease_takeovers"),
-            holding: false,
+            gauges: HashMap::new(),
+            eligible: g("eligible_replicas"),
+            takeovers: c("scrape.lease_takeovers"),
+            discovered: g("discovery.hosts"),
+            discovery_failures: c("discovery.failures"),
         }
     }
 
-    pub fn tick(&mut self, config: &Config, now_ms: u64) {
-        let Some(scrape) = &config.scrape else { return };
+    fn gauges(&mut self, ep: &Endpoint) -> &ReplicaGauges {
+        self.gauges
+            .entry(ep.id())
+            .or_insert_with(|| ReplicaGauges::define(ep))
+    }
+
+    pub fn tick(&mut self, router: &Router, now_ms: u64) {
+        let cfg = &router.config;
+        let interval = match (&cfg.scrape, &cfg.discovery) {
+            (Some(s), _) => s.interval_ms,
+            (None, Some(d)) => d.interval_ms,
+            (None, None) => return,
+        };
         if now_ms < self.next_ms {
             return;
         }
-        self.next_ms = now_ms + scrape.interval_ms;
+        self.next_ms = now_ms + interval;
         // The lease outlives two missed renewals, so a new scraper takes
         // over within three intervals of the old one stopping.
-        match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * scrape.interval_ms) {
-            Lease::Other => {
-                self.holding = false;
-                return;
-            }
+        match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
+            Lease::Other => return,
             Lease::TookOver => {
                 self.takeovers.inc();
                 log::info!("prefix-router: this VM took over metrics scraping");
             }
             Lease::Held => {}
         }
-        self.holding = true;
-        self.publish_eligible(config, now_ms);
-        for (i, ep) in config.endpoints.iter().enumerate() {
-            if self.pending.values().any(|&p| p == i) {
+        if let Some(d) = &cfg.discovery {
+            if now_ms >= self.next_discovery_ms
+                && !self.pending.values().any(|c| matches!(c, Call::Discovery))
+            {
+                self.next_discovery_ms = now_ms + d.interval_ms;
+                self.dispatch(
+                    &d.admin_cluster,
+                    "/clusters?format=json",
+                    "admin",
+                    None,
+                    Call::Discovery,
+                    5000,
+                );
+            }
+        }
+        let Some(scrape) = &cfg.scrape else { return };
+        self.publish_eligible(router, now_ms);
+        for ep in router.endpoints() {
+            if self
+                .pending
+                .values()
+                .any(|c| matches!(c, Call::Metrics(e) if e.id() == ep.id()))
+            {
                 continue;
             }
-            let headers = vec![
-                (":method", "GET"),
-                (":path", scrape.path.as_str()),
-                (":authority", ep.as_str()),
-                (config.destination_header.as_str(), ep.as_str()),
-            ];
-            let timeout = Duration::from_millis(scrape.timeout_ms);
-            match hostcalls::dispatch_http_call(&scrape.cluster, headers, None, vec![], timeout) {
-                Ok(token) => {
-                    self.pending.insert(token, i);
-                }
-                Err(status) => {
-                    log::debug!("prefix-router: scrape of {ep} not dispatched: {status:?}");
-                    self.record(config, i, Err(()), now_ms);
-                }
+            let dest = Some((cfg.destination_header.as_str(), ep.as_str()));
+            if !self.dispatch(
+                &scrape.cluster,
+                &scrape.path,
+                ep.as_str(),
+                dest,
+                Call::Metrics(ep.clone()),
+                scrape.timeout_ms,
+            ) {
+                self.record(router, ep, Err(()), now_ms);
             }
         }
     }
 
-    pub fn on_response(&mut self, config: &Config, token: u32, body_size: usize, now_ms: u64) {
-        let Some(i) = self.pending.remove(&token) else {
+    fn dispatch(
+        &mut self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        dest: Option<(&str, &str)>,
+        call: Call,
+        timeout_ms: u64,
+    ) -> bool {
+        let mut headers = vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", authority),
+        ];
+        headers.extend(dest);
+        match hostcalls::dispatch_http_call(
+            cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(timeout_ms),
+        ) {
+            Ok(token) => {
+                self.pending.insert(token, call);
+                true
+            }
+            Err(status) => {
+                log::debug!("prefix-router: GET {path} via {cluster} not dispatched: {status:?}");
+                false
+            }
+        }
+    }
+
+    pub fn on_response(&mut self, router: &Router, token: u32, body_size: usize, now_ms: u64) {
+        let Some(call) = self.pending.remove(&token) else {
             return;
         };
-        let Some(scrape) = &config.scrape else { return };
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
             .ok()
             .flatten();
-        let outcome = if status.as_deref() != Some("200") {
-            Err(format!(
-                "status {}",
-                status
-                    .as_deref()
-                    .unwrap_or("none (connect error or timeout)")
-            ))
-        } else if body_size > scrape.max_bytes {
-            Err(format!(
-                "page of {body_size} bytes is over max_metrics_bytes"
-            ))
-        } else {
-            let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default();
-            metrics::parse(scrape.engine, &body, scrape.max_bytes).map_err(|e| e.to_string())
-        };
-        match outcome {
-            Ok(m) => {
-                if let Some(g) = self.gauges.get(i) {
-                    g.waiting.record(m.waiting.max(0.0) as u64);
-                    g.running.record(m.running.max(0.0) as u64);
-                    g.kv_percent.record((m.kv_usage * 100.0).round() as u64);
-                }
-                self.record(config, i, Ok(&m), now_ms);
+        let ok = status.as_deref() == Some("200");
+        let read = |limit: usize| -> Result<Vec<u8>, String> {
+            if !ok {
+                return Err(format!(
+                    "status {}",
+                    status
+                        .as_deref()
+                        .unwrap_or("none (connect error or timeout)")
+                ));
             }
-            Err(why) => {
-                if let Some(ep) = config.endpoints.get(i) {
-                    log::debug!("prefix-router: scrape of {ep} failed: {why}");
+            if body_size > limit {
+                return Err(format!(
+                    "answer of {body_size} bytes is over the {limit}-byte limit"
+                ));
+            }
+            Ok(
+                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default(),
+            )
+        };
+        match call {
+            Call::Discovery => {
+                let Some(d) = &router.config.discovery else {
+                    return;
+                };
+                let found = read(MAX_ADMIN_BYTES).and_then(|b| {
+                    discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string())
+                });
+                match found {
+                    Ok(eps) => {
+                        self.discovered.record(eps.len() as u64);
+                        discovery::publish(&SharedData, &eps);
+                    }
+                    Err(why) => {
+                        self.discovery_failures.inc();
+                        log::warn!(
+                            "prefix-router: discovery from `{}` failed: {why}",
+                            d.admin_cluster
+                        );
+                    }
                 }
-                self.record(config, i, Err(()), now_ms);
+            }
+            Call::Metrics(ep) => {
+                let Some(scrape) = &router.config.scrape else {
+                    return;
+                };
+                let parsed = read(scrape.max_bytes).and_then(|b| {
+                    metrics::parse(scrape.engine, &b, scrape.max_bytes).map_err(|e| e.to_string())
+                });
+                match parsed {
+                    Ok(m) => {
+                        let g = self.gauges(&ep);
+                        g.waiting.record(m.waiting.max(0.0) as u64);
+                        g.running.record(m.running.max(0.0) as u64);
+                        g.kv_percent.record((m.kv_usage * 100.0).round() as u64);
+                        self.record(router, &ep, Ok(&m), now_ms);
+                    }
+                    Err(why) => {
+                        log::debug!("prefix-router: scrape of {ep} failed: {why}");
+                        self.record(router, &ep, Err(()), now_ms);
+                    }
+                }
             }
         }
     }
 
     fn record(
-        &self,
-        config: &Config,
-        i: usize,
+        &mut self,
+        router: &Router,
+        ep: &Endpoint,
         outcome: Result<&metrics::ReplicaMetrics, ()>,
         now_ms: u64,
     ) {
-        let Some(ep) = config.endpoints.get(i) else {
-            return;
-        };
-        let known: Vec<ReplicaId> = config.endpoints.iter().map(|e| e.id()).collect();
-        if let Some(g) = self.gauges.get(i) {
-            if outcome.is_ok() {
-                g.ok.inc()
-            } else {
-                g.failed.inc()
-            }
+        let g = self.gauges(ep);
+        if outcome.is_ok() {
+            g.ok.inc()
+        } else {
+            g.failed.inc()
         }
+        let known: Vec<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
         if let Err(e) = replicas::record_scrape(&SharedData, ep.id(), outcome, &known, now_ms) {
             log::debug!("prefix-router: replica table update lost: {e}");
         }
     }
 
-    fn publish_eligible(&self, config: &Config, now_ms: u64) {
-        let table = Table::load(&SharedData);
-        let p = HealthPolicy {
-            staleness_ms: config.staleness_ms,
-            unhealthy_after: config.unhealthy_after,
-        };
-        let n = config
-            .endpoints
-            .iter()
-            .filter(|e| table.eligible(e.id(), &p, now_ms))
-            .count();
-        self.eligible.record(n as u64);
+    fn publish_eligible(&self, router: &Router, now_ms: u64) {
+        self.eligible
+            .record(router.eligible_count(&SharedData, now_ms) as u64);
     }
 }

@@ -48,6 +48,16 @@ pub struct ReplicaStats {
     pub inflight: Metric,
 }
 
+impl ReplicaStats {
+    fn define(e: &Endpoint) -> ReplicaStats {
+        let label = e.stat_label();
+        ReplicaStats {
+            routed: Metric::define(MetricType::Counter, &format!("{P}.replica.{label}.routed")),
+            inflight: Metric::define(MetricType::Gauge, &format!("{P}.replica.{label}.inflight")),
+        }
+    }
+}
+
 pub struct Stats {
     pub requests: Metric,
     pub prefix_hit: Metric,
@@ -83,14 +93,7 @@ impl Stats {
         let c = |n: &str| Metric::define(Counter, &format!("{P}.{n}"));
         let replicas = endpoints
             .iter()
-            .map(|e| {
-                let label = e.stat_label();
-                let rs = ReplicaStats {
-                    routed: Metric::define(Counter, &format!("{P}.replica.{label}.routed")),
-                    inflight: Metric::define(Gauge, &format!("{P}.replica.{label}.inflight")),
-                };
-                (e.id(), rs)
-            })
+            .map(|e| (e.id(), ReplicaStats::define(e)))
             .collect();
         Stats {
             requests: c("requests_total"),
@@ -131,5 +134,12 @@ impl Stats {
 
     pub fn replica(&self, id: ReplicaId) -> Option<&ReplicaStats> {
         self.replicas.get(&id)
+    }
+
+    /// Per-replica stats, defined on first use for discovered replicas.
+    pub fn ensure_replica(&mut self, e: &Endpoint) {
+        self.replicas
+            .entry(e.id())
+            .or_insert_with(|| ReplicaStats::define(e));
     }
 }

@@ -1,0 +1,234 @@
+//! Replica discovery from Envoy's own admin `/clusters?format=json`: the
+//! hosts Envoy knows for the pool cluster (from EDS in a mesh, DNS, or a
+//! static list), with Envoy's health view of each. This is how the filter
+//! follows an Istio/EDS-managed pool without a list of its own.
+//!
+//! The result is published in shared data by the scraper VM; every worker
+//! rebuilds its endpoint list when the published set changes.
+
+use std::collections::HashSet;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::config::MAX_ENDPOINTS;
+use crate::endpoint::Endpoint;
+use crate::store::{Reader, Store};
+
+const KEY: &str = "prefix-router/discovered";
+
+#[derive(Debug, Error)]
+pub enum DiscoveryError {
+    #[error("admin /clusters answer is not the expected JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("cluster `{0}` is not in Envoy's admin /clusters answer")]
+    NoCluster(String),
+}
+
+#[derive(Deserialize)]
+struct Clusters {
+    #[serde(default)]
+    cluster_statuses: Vec<ClusterStatus>,
+}
+
+#[derive(Deserialize)]
+struct ClusterStatus {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    host_statuses: Vec<HostStatus>,
+}
+
+#[derive(Deserialize)]
+struct HostStatus {
+    #[serde(default)]
+    address: Option<Address>,
+    #[serde(default)]
+    health_status: Health,
+}
+
+#[derive(Deserialize)]
+struct Address {
+    socket_address: Option<SocketAddress>,
+}
+
+#[derive(Deserialize)]
+struct SocketAddress {
+    #[serde(default)]
+    address: String,
+    #[serde(default)]
+    port_value: u32,
+}
+
+#[derive(Deserialize, Default)]
+struct Health {
+    #[serde(default)]
+    eds_health_status: Option<String>,
+    #[serde(default)]
+    failed_active_health_check: bool,
+    #[serde(default)]
+    failed_outlier_check: bool,
+    #[serde(default)]
+    pending_dynamic_removal: bool,
+    #[serde(default)]
+    excluded_via_immediate_hc_fail: bool,
+}
+
+impl Health {
+    /// Envoy would send traffic there: not failed by health checks or
+    /// outlier detection, not draining or marked unhealthy by EDS.
+    fn usable(&self) -> bool {
+        let eds_ok = match self.eds_health_status.as_deref() {
+            None | Some("HEALTHY") | Some("UNKNOWN") | Some("DEGRADED") => true,
+            Some(_) => false,
+        };
+        eds_ok
+            && !self.failed_active_health_check
+            && !self.failed_outlier_check
+            && !self.pending_dynamic_removal
+            && !self.excluded_via_immediate_hc_fail
+    }
+}
+
+/// The usable hosts of `cluster`, deduplicated, at most `MAX_ENDPOINTS`.
+/// Hosts that aren't plain IP sockets (pipes, internal listeners) are
+/// skipped: the destination header can only name `ip:port`.
+pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, DiscoveryError> {
+    let all: Clusters = serde_json::from_slice(json)?;
+    let c = all
+        .cluster_statuses
+        .into_iter()
+        .find(|c| c.name == cluster)
+        .ok_or_else(|| DiscoveryError::NoCluster(cluster.to_string()))?;
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for h in c.host_statuses {
+        if out.len() >= MAX_ENDPOINTS {
+            break;
+        }
+        if !h.health_status.usable() {
+            continue;
+        }
+        let Some(sa) = h.address.and_then(|a| a.socket_address) else {
+            continue;
+        };
+        if sa.port_value == 0 || sa.port_value > u16::MAX as u32 {
+            continue;
+        }
+        let text = if sa.address.contains(':') {
+            format!("[{}]:{}", sa.address, sa.port_value)
+        } else {
+            format!("{}:{}", sa.address, sa.port_value)
+        };
+        if let Ok(ep) = text.parse::<Endpoint>() {
+            if seen.insert(ep.id()) {
+                out.push(ep);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Publish the discovered set (written by the scraper VM).
+pub fn publish<S: Store + ?Sized>(store: &S, eps: &[Endpoint]) {
+    let mut out = Vec::with_capacity(4 + eps.len() * 24);
+    out.extend_from_slice(&(eps.len() as u32).to_le_bytes());
+    for e in eps {
+        let t = e.as_str().as_bytes();
+        out.push(t.len() as u8);
+        out.extend_from_slice(t);
+    }
+    // Unconditional: one writer (the lease holder); a stale racing write
+    // is corrected on the next interval.
+    let _ = store.set(KEY, &out, None);
+}
+
+/// The published set and its CAS token (a cheap change detector), or
+/// `None` if nothing was published yet. Malformed → `None`.
+pub fn load<S: Store + ?Sized>(store: &S) -> Option<(Vec<Endpoint>, u32)> {
+    let (value, cas) = store.get(KEY);
+    Some((decode(&value?)?, cas.unwrap_or(0)))
+}
+
+fn decode(buf: &[u8]) -> Option<Vec<Endpoint>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    if n > MAX_ENDPOINTS {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = r.u8()? as usize;
+        let text = std::str::from_utf8(r.take(len)?).ok()?;
+        out.push(text.parse().ok()?);
+    }
+    r.is_empty().then_some(out)
+}
+
+/// Fuzzing support: arbitrary admin JSON never panics; accepted hosts are
+/// valid, distinct and bounded; the published form round-trips.
+#[doc(hidden)]
+pub fn check_admin_json(data: &[u8]) {
+    if let Ok(eps) = parse_clusters(data, "pool") {
+        assert!(eps.len() <= MAX_ENDPOINTS);
+        let s = crate::store::MemStore::new();
+        publish(&s, &eps);
+        assert_eq!(load(&s).map(|l| l.0), Some(eps));
+    }
+    let _ = decode(data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    const ADMIN: &str = r#"{"cluster_statuses":[
+      {"name":"other","host_statuses":[{"address":{"socket_address":{"address":"10.9.9.9","port_value":1}}}]},
+      {"name":"pool","observability_name":"pool","host_statuses":[
+        {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}},"stats":[{"name":"rq_total","value":"3"}],"health_status":{"eds_health_status":"HEALTHY"},"weight":1,"locality":{}},
+        {"address":{"socket_address":{"address":"10.0.0.2","port_value":8000}},"health_status":{"eds_health_status":"HEALTHY","failed_active_health_check":true}},
+        {"address":{"socket_address":{"address":"10.0.0.3","port_value":8000}},"health_status":{"eds_health_status":"DRAINING"}},
+        {"address":{"socket_address":{"address":"fd00::4","port_value":8000}},"health_status":{"eds_health_status":"HEALTHY"}},
+        {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}},"health_status":{}},
+        {"address":{"pipe":{"path":"/tmp/x"}},"health_status":{}},
+        {"address":{"socket_address":{"address":"10.0.0.5","port_value":8000}},"health_status":{"failed_outlier_check":true}}
+      ]}]}"#;
+
+    #[test]
+    fn usable_hosts_of_the_named_cluster() {
+        let eps = parse_clusters(ADMIN.as_bytes(), "pool").unwrap();
+        let names: Vec<&str> = eps.iter().map(|e| e.as_str()).collect();
+        assert_eq!(names, vec!["10.0.0.1:8000", "[fd00::4]:8000"]);
+    }
+
+    #[test]
+    fn missing_cluster_and_garbage_are_errors() {
+        assert!(matches!(
+            parse_clusters(ADMIN.as_bytes(), "nope"),
+            Err(DiscoveryError::NoCluster(_))
+        ));
+        assert!(parse_clusters(b"<html>", "pool").is_err());
+        assert!(parse_clusters(b"{\"cluster_statuses\":5}", "pool").is_err());
+        assert!(parse_clusters(b"{}", "pool").is_err());
+    }
+
+    #[test]
+    fn published_set_round_trips_and_changes_its_token() {
+        let s = MemStore::new();
+        assert!(load(&s).is_none());
+        let eps = parse_clusters(ADMIN.as_bytes(), "pool").unwrap();
+        publish(&s, &eps);
+        let (got, t1) = load(&s).unwrap();
+        assert_eq!(got, eps);
+        publish(&s, &eps[..1]);
+        let (got, t2) = load(&s).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_ne!(t1, t2);
+        for cut in 0..8 {
+            s.set(KEY, &[2, 0, 0, 0, 200, b'x'][..cut.min(6)], None)
+                .unwrap();
+            assert!(load(&s).is_none());
+        }
+    }
+}

@@ -1,0 +1,135 @@
+"""Discovery from Envoy's admin: the pool is an EDS cluster fed from a file;
+the filter has no static list and follows Envoy's view of the hosts."""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+from harness import Envoy, backends, completion, free_port, render_config, request, vllm_metrics
+
+
+def eds(path: Path, addrs: list[str]):
+    """Replace the EDS file atomically (Envoy watches for the move)."""
+    doc = {
+        "resources": [
+            {
+                "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+                "cluster_name": "pool",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {
+                                        "socket_address": {
+                                            "address": a.rsplit(":", 1)[0],
+                                            "port_value": int(a.rsplit(":", 1)[1]),
+                                        }
+                                    }
+                                }
+                            }
+                            for a in addrs
+                        ]
+                    }
+                ],
+            }
+        ]
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc))
+    os.replace(tmp, path)
+
+
+def config(eds_path: Path, plugin: dict) -> dict:
+    admin_port = free_port()
+    cfg = render_config("override_host", plugin, [], free_port(), admin_port)
+    cfg["node"] = {"id": "prefix-router-e2e", "cluster": "e2e"}  # needed for EDS
+    pool = cfg["static_resources"]["clusters"][0]
+    pool["type"] = "EDS"
+    del pool["load_assignment"]
+    pool["eds_cluster_config"] = {"eds_config": {"path_config_source": {"path": str(eds_path)}}}
+    # The route to Envoy's own admin that discovery reads through. Only the
+    # filter's callouts use it: no route points at it.
+    cfg["static_resources"]["clusters"].append(
+        {
+            "name": "envoy_admin",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": "envoy_admin",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {
+                                        "socket_address": {"address": "127.0.0.1", "port_value": admin_port}
+                                    }
+                                }
+                            }
+                        ]
+                    }
+                ],
+            },
+        }
+    )
+    return cfg
+
+
+def served_by(port: int, n: int) -> Counter:
+    c = Counter()
+    for i in range(n):
+        status, headers, _ = request(port, body=completion(f"discovery {i} " * 10))
+        assert status == 200
+        c[headers["x-served-by"]] += 1
+    return c
+
+
+def test_pool_follows_envoys_hosts(tmp_path):
+    with backends(3, metrics=vllm_metrics()) as (a, b, c):
+        path = tmp_path / "eds.yaml"
+        eds(path, [a.addr, b.addr])
+        plugin = {
+            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 200},
+            "cluster": "pool",
+            "max_fallbacks": 1,
+        }
+        with Envoy(config(path, plugin), concurrency=2) as envoy:
+            deadline = time.time() + 10
+            while time.time() < deadline and envoy.stat("prefix_router.discovery.hosts") != 2:
+                time.sleep(0.1)
+            assert envoy.stat("prefix_router.discovery.hosts") == 2
+            time.sleep(0.5)
+            first = served_by(envoy.port, 40)
+            assert set(first) == {str(a.port), str(b.port)}, first
+            # The pool changes in Envoy: a leaves, c joins.
+            eds(path, [b.addr, c.addr])
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                time.sleep(0.3)
+                now = served_by(envoy.port, 20)
+                if set(now) == {str(b.port), str(c.port)}:
+                    break
+            assert set(now) == {str(b.port), str(c.port)}, now
+            a_before = a.count
+            assert set(served_by(envoy.port, 40)) == {str(b.port), str(c.port)}
+            assert a.count == a_before
+            assert envoy.stat("prefix_router.discovery.failures") == 0
+
+
+def test_bad_admin_cluster_is_counted_and_traffic_still_flows_to_the_static_list(tmp_path):
+    with backends(2, metrics=vllm_metrics()) as bs:
+        path = tmp_path / "eds.yaml"
+        eds(path, [b.addr for b in bs])
+        plugin = {
+            "endpoints": [bs[0].addr],
+            "discovery": {"cluster": "no-such-cluster", "admin_cluster": "envoy_admin", "interval_ms": 100},
+        }
+        with Envoy(config(path, plugin), concurrency=2) as envoy:
+            time.sleep(1.0)
+            assert envoy.stat("prefix_router.discovery.failures") >= 3
+            assert served_by(envoy.port, 10) == Counter({str(bs[0].port): 10})
