@@ -1,1 +1,584 @@
-fn main() {}
+//! prefix-bench: load generator for prefix-router benchmarks.
+//!
+//! Sends OpenAI streaming requests over HTTP/1.1 keep-alive to one or more
+//! targets (routers), open loop (Poisson arrivals) or closed loop (N
+//! clients), and measures per request: time to first token (first SSE data
+//! chunk), inter-token gaps, end-to-end latency, errors, and which replica
+//! served (`x-served-by`). Writes one JSON document: config, summary,
+//! per-request records, its own CPU time, and the workload's cache-hit upper
+//! bound (token ids from a replica's `/tokenize`).
+//!
+//! Every run is bounded: `--max-duration` stops sending, `--drain` later
+//! every request still in flight is cut and counted as an error.
+
+mod client;
+mod stats;
+mod text;
+mod workload;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+use tokio::time::Instant as TInstant;
+
+use client::{Outcome, Pool};
+use stats::Record;
+use workload::{Conversation, Plan, Planned};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "prefix-bench",
+    version,
+    about = "Load generator for prefix-router benchmarks"
+)]
+struct Cli {
+    /// Router address(es), host:port, comma-separated. Clients (closed loop,
+    /// conversations) or requests (open loop) are spread over them in turn.
+    #[arg(long, value_delimiter = ',', required = true)]
+    target: Vec<String>,
+    #[arg(long, value_enum, default_value_t = Mode::Open)]
+    mode: Mode,
+    /// Open loop: mean arrivals per simulated second (Poisson). 0 = all at once.
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    /// Closed loop: concurrent clients, each sending back to back.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Real seconds per simulated second (match replica-sim --time-scale):
+    /// arrival gaps and think times are multiplied by it, reported latencies
+    /// divided by it. Records keep real milliseconds.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Multiplies request / group / conversation counts (keeps lengths).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Header carrying the group / conversation id (for session-affinity
+    /// routers such as Envoy ring hash). Empty = don't send.
+    #[arg(long, default_value = "x-session-id")]
+    session_header: String,
+    /// Real seconds after which no new request is sent.
+    #[arg(long, default_value_t = 600.0)]
+    max_duration: f64,
+    /// Real seconds after --max-duration (or the last send) before requests
+    /// still in flight are cut and counted as errors.
+    #[arg(long, default_value_t = 60.0)]
+    drain: f64,
+    /// Open loop: at most this many requests in flight; an arrival beyond it
+    /// is counted as an error ("overload") instead of queueing in the client.
+    #[arg(long, default_value_t = 4096)]
+    max_inflight: usize,
+    /// Replica (host:port) whose /tokenize gives token ids for the cache-hit
+    /// upper bound. Unset = no bound.
+    #[arg(long)]
+    tokenize: Option<String>,
+    /// KV block size (tokens) for the upper bound.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Number of replicas behind the router (for the request-share figure).
+    #[arg(long, default_value_t = 0)]
+    replicas: usize,
+    /// Worker threads of the client runtime.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Write the JSON document here (default: stdout).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Leave per-request records out of the JSON.
+    #[arg(long)]
+    no_records: bool,
+    #[command(subcommand)]
+    workload: Workload,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Open,
+    Closed,
+}
+
+#[derive(Subcommand, Debug)]
+enum Workload {
+    /// G groups sharing a long prefix (RAG document / system prompt) + a
+    /// short unique question per request, groups interleaved at random.
+    /// Defaults: the published run (150 x 2,048 tokens, 9,000 prompts).
+    SharedPrefix {
+        #[arg(long, default_value_t = 150)]
+        groups: usize,
+        #[arg(long, default_value_t = 9000)]
+        prompts: usize,
+        #[arg(long, default_value_t = 2048)]
+        prefix_tokens: usize,
+        #[arg(long, default_value_t = 32)]
+        question_tokens: usize,
+    },
+    /// C concurrent conversations x T turns over the chat API; each turn
+    /// resends the whole history plus a new user message, after a think time.
+    MultiTurn {
+        #[arg(long, default_value_t = 11)]
+        conversations: usize,
+        #[arg(long, default_value_t = 10)]
+        turns: usize,
+        /// System prompt shared by every conversation.
+        #[arg(long, default_value_t = 256)]
+        system_tokens: usize,
+        /// The first user message (e.g. a pasted document).
+        #[arg(long, default_value_t = 1024)]
+        first_turn_tokens: usize,
+        #[arg(long, default_value_t = 96)]
+        user_tokens: usize,
+        /// Mean think time between turns, simulated seconds (exponential).
+        #[arg(long, default_value_t = 2.0)]
+        think: f64,
+    },
+    /// Short independent prompts with no shared prefix (the control).
+    Unique {
+        #[arg(long, default_value_t = 2000)]
+        prompts: usize,
+        #[arg(long, default_value_t = 256)]
+        prompt_tokens: usize,
+    },
+    /// Replay a JSONL trace: {"timestamp": s, "prompt"|"messages"|"body": ..}.
+    Replay {
+        file: PathBuf,
+        /// Replay this many times faster than the trace's timestamps.
+        #[arg(long, default_value_t = 1.0)]
+        speedup: f64,
+    },
+}
+
+fn scaled(n: usize, scale: f64) -> usize {
+    ((n as f64 * scale).round() as usize).max(1)
+}
+
+fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
+    let rate = if cli.mode == Mode::Open {
+        cli.rate
+    } else {
+        0.0
+    };
+    Ok(match &cli.workload {
+        Workload::SharedPrefix {
+            groups,
+            prompts,
+            prefix_tokens,
+            question_tokens,
+        } => {
+            let p = workload::SharedPrefix {
+                groups: scaled(*groups, cli.scale),
+                prompts: scaled(*prompts, cli.scale),
+                prefix_tokens: *prefix_tokens,
+                question_tokens: *question_tokens,
+                max_tokens: cli.max_tokens,
+            };
+            let params = json!({"groups": p.groups, "prompts": p.prompts,
+                "prefix_tokens": p.prefix_tokens, "question_tokens": p.question_tokens});
+            (
+                "shared-prefix".into(),
+                workload::shared_prefix(&p, &cli.model, cli.seed, rate),
+                params,
+            )
+        }
+        Workload::MultiTurn {
+            conversations,
+            turns,
+            system_tokens,
+            first_turn_tokens,
+            user_tokens,
+            think,
+        } => {
+            let p = workload::MultiTurn {
+                conversations: scaled(*conversations, cli.scale),
+                turns: *turns,
+                system_tokens: *system_tokens,
+                first_turn_tokens: *first_turn_tokens,
+                user_tokens: *user_tokens,
+                think_s: *think,
+            };
+            let params = json!({"conversations": p.conversations, "turns": p.turns,
+                "system_tokens": p.system_tokens, "first_turn_tokens": p.first_turn_tokens,
+                "user_tokens": p.user_tokens, "think_s": p.think_s});
+            (
+                "multi-turn".into(),
+                workload::multi_turn(&p, cli.seed),
+                params,
+            )
+        }
+        Workload::Unique {
+            prompts,
+            prompt_tokens,
+        } => {
+            let p = workload::Unique {
+                prompts: scaled(*prompts, cli.scale),
+                prompt_tokens: *prompt_tokens,
+                max_tokens: cli.max_tokens,
+            };
+            let params = json!({"prompts": p.prompts, "prompt_tokens": p.prompt_tokens});
+            (
+                "unique".into(),
+                workload::unique(&p, &cli.model, cli.seed, rate),
+                params,
+            )
+        }
+        Workload::Replay { file, speedup } => {
+            let plan = workload::replay(file, &cli.model, cli.max_tokens, *speedup)?;
+            let params = json!({"file": file, "speedup": speedup});
+            ("replay".into(), plan, params)
+        }
+    })
+}
+
+/// Shared state of one run.
+struct Run {
+    pools: Vec<Pool>,
+    t0: TInstant,
+    hard_deadline: TInstant,
+    session_header: String,
+    records: Mutex<Vec<Record>>,
+    itl: Mutex<Vec<f64>>,
+    /// Bodies sent, by request id (for the upper bound).
+    sent: Mutex<Vec<(usize, f64, Value)>>,
+    next_id: AtomicUsize,
+    keep_bodies: bool,
+}
+
+impl Run {
+    /// Sends one request, bounded by the hard deadline, and records it.
+    async fn request(
+        &self,
+        target: usize,
+        path: &str,
+        body: &Value,
+        key: &str,
+        turn: Option<usize>,
+    ) -> Outcome {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let start_s = self.t0.elapsed().as_secs_f64();
+        let bytes = Bytes::from(body.to_string());
+        let mut headers = Vec::new();
+        if !self.session_header.is_empty() {
+            headers.push((self.session_header.clone(), key.to_string()));
+        }
+        let pool = &self.pools[target % self.pools.len()];
+        let out = match tokio::time::timeout_at(
+            self.hard_deadline,
+            client::send(pool, path, bytes, &headers),
+        )
+        .await
+        {
+            Ok(o) => o,
+            Err(_) => Outcome {
+                error: Some("cut at the run's deadline".into()),
+                ..Outcome::default()
+            },
+        };
+        self.record(id, target, start_s, key, turn, &out);
+        if self.keep_bodies {
+            if let Ok(mut s) = self.sent.lock() {
+                s.push((id, start_s, body.clone()));
+            }
+        }
+        out
+    }
+
+    fn record(
+        &self,
+        id: usize,
+        target: usize,
+        start_s: f64,
+        key: &str,
+        turn: Option<usize>,
+        out: &Outcome,
+    ) {
+        let itl_mean = (!out.itl_ms.is_empty())
+            .then(|| out.itl_ms.iter().sum::<f64>() / out.itl_ms.len() as f64);
+        let ok = out.error.is_none() && (200..300).contains(&out.status);
+        let rec = Record {
+            id,
+            key: key.to_string(),
+            turn,
+            target: target % self.pools.len(),
+            start_s,
+            status: out.status,
+            ok,
+            error: out.error.clone(),
+            ttft_ms: out.ttft_ms,
+            e2e_ms: out.e2e_ms,
+            itl_mean_ms: itl_mean,
+            chunks: out.chunks,
+            served_by: out.served_by.clone(),
+            prompt_tokens: out.prompt_tokens,
+            cached_tokens: out.cached_tokens,
+        };
+        if ok {
+            if let Ok(mut v) = self.itl.lock() {
+                v.extend_from_slice(&out.itl_ms);
+            }
+        }
+        if let Ok(mut v) = self.records.lock() {
+            v.push(rec);
+        }
+    }
+
+    fn error_record(&self, target: usize, key: &str, msg: &str) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let out = Outcome {
+            error: Some(msg.into()),
+            ..Outcome::default()
+        };
+        self.record(id, target, self.t0.elapsed().as_secs_f64(), key, None, &out);
+    }
+}
+
+async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: TInstant) {
+    let inflight = Arc::new(tokio::sync::Semaphore::new(cli.max_inflight.max(1)));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, r) in reqs.into_iter().enumerate() {
+        let at = run.t0 + Duration::from_secs_f64(r.at * cli.time_scale);
+        if at > send_deadline {
+            break;
+        }
+        tokio::time::sleep_until(at).await;
+        let Ok(permit) = inflight.clone().try_acquire_owned() else {
+            run.error_record(i, &r.key, "overload: client max-inflight reached");
+            continue;
+        };
+        let run = run.clone();
+        tasks.spawn(async move {
+            run.request(i, r.path, &r.body, &r.key, None).await;
+            drop(permit);
+        });
+        // Reap finished tasks so the set stays small.
+        while tasks.try_join_next().is_some() {}
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn run_closed(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: TInstant) {
+    let reqs = Arc::new(reqs);
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..cli.concurrency.max(1) {
+        let (run, reqs, next) = (run.clone(), reqs.clone(), next.clone());
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(r) = reqs.get(i) else { break };
+                if TInstant::now() > send_deadline {
+                    break;
+                }
+                run.request(client, r.path, &r.body, &r.key, None).await;
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn run_conversations(
+    run: Arc<Run>,
+    convs: Vec<Conversation>,
+    cli: &Cli,
+    send_deadline: TInstant,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let (scale, model, max_tokens) = (cli.time_scale, cli.model.clone(), cli.max_tokens);
+    for (c, conv) in convs.into_iter().enumerate() {
+        let (run, model) = (run.clone(), model.clone());
+        tasks.spawn(async move {
+            tokio::time::sleep(Duration::from_secs_f64(conv.start * scale)).await;
+            let mut messages = vec![json!({"role": "system", "content": conv.system})];
+            for (t, user) in conv.user_turns.iter().enumerate() {
+                if t > 0 {
+                    tokio::time::sleep(Duration::from_secs_f64(conv.think[t] * scale)).await;
+                }
+                if TInstant::now() > send_deadline {
+                    break;
+                }
+                messages.push(json!({"role": "user", "content": user}));
+                let body = workload::chat(&model, messages.clone(), max_tokens);
+                let out = run
+                    .request(c, "/v1/chat/completions", &body, &conv.key, Some(t))
+                    .await;
+                if out.error.is_some() {
+                    // The conversation can't go on without its answer.
+                    break;
+                }
+                messages.push(json!({"role": "assistant", "content": out.text}));
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Token ids of every sent request (in send order) from a replica's
+/// /tokenize, then the upper bound.
+async fn bound(run: &Run, addr: &str, block_size: usize) -> Result<stats::UpperBound, String> {
+    let mut sent = run.sent.lock().map(|v| v.clone()).unwrap_or_default();
+    sent.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    let pool = Arc::new(Pool::new(addr.to_string()));
+    let queries: Vec<Value> = sent
+        .iter()
+        .map(|(_, _, b)| match (b.get("prompt"), b.get("messages")) {
+            (Some(p), _) => json!({"model": b.get("model"), "prompt": p}),
+            (None, Some(m)) => json!({"model": b.get("model"), "messages": m}),
+            _ => json!({"prompt": ""}),
+        })
+        .collect();
+    let queries = Arc::new(queries);
+    let next = Arc::new(AtomicUsize::new(0));
+    let results: Arc<Mutex<Vec<Option<Vec<u32>>>>> =
+        Arc::new(Mutex::new(vec![None; queries.len()]));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let (pool, queries, next, results) =
+            (pool.clone(), queries.clone(), next.clone(), results.clone());
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(q) = queries.get(i) else {
+                    return Ok::<(), String>(());
+                };
+                let v = client::post_json(&pool, "/tokenize", Bytes::from(q.to_string())).await?;
+                let ids: Vec<u32> = v
+                    .get("tokens")
+                    .and_then(Value::as_array)
+                    .ok_or("no tokens in /tokenize answer")?
+                    .iter()
+                    .filter_map(|t| t.as_u64().map(|x| x as u32))
+                    .collect();
+                if let Ok(mut r) = results.lock() {
+                    r[i] = Some(ids);
+                }
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.map_err(|e| e.to_string())??;
+    }
+    let prompts: Vec<Vec<u32>> = results
+        .lock()
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|x| x.clone().unwrap_or_default())
+        .collect();
+    Ok(stats::upper_bound(&prompts, block_size))
+}
+
+async fn main_async(cli: Cli) -> Result<(), String> {
+    if !(cli.time_scale > 0.0 && cli.time_scale.is_finite()) {
+        return Err("--time-scale must be > 0".into());
+    }
+    let (name, plan, params) = plan(&cli)?;
+    let t0 = TInstant::now();
+    let send_deadline = t0 + Duration::from_secs_f64(cli.max_duration.max(0.0));
+    let hard_deadline = send_deadline + Duration::from_secs_f64(cli.drain.max(0.0));
+    let run = Arc::new(Run {
+        pools: cli.target.iter().map(|t| Pool::new(t.clone())).collect(),
+        t0,
+        hard_deadline,
+        session_header: cli.session_header.clone(),
+        records: Mutex::new(Vec::new()),
+        itl: Mutex::new(Vec::new()),
+        sent: Mutex::new(Vec::new()),
+        next_id: AtomicUsize::new(0),
+        keep_bodies: cli.tokenize.is_some(),
+    });
+    let cpu0 = stats::self_cpu_seconds();
+    let wall0 = Instant::now();
+    let planned = match &plan {
+        Plan::Requests(r) => r.len(),
+        Plan::Conversations(c) => c.iter().map(|c| c.user_turns.len()).sum(),
+    };
+    eprintln!(
+        "prefix-bench: {name}, {planned} requests, {:?} loop, targets {}",
+        cli.mode,
+        cli.target.join(",")
+    );
+    match plan {
+        Plan::Requests(reqs) => match cli.mode {
+            Mode::Open => run_open(run.clone(), reqs, &cli, send_deadline).await,
+            Mode::Closed => run_closed(run.clone(), reqs, &cli, send_deadline).await,
+        },
+        Plan::Conversations(convs) => {
+            run_conversations(run.clone(), convs, &cli, send_deadline).await
+        }
+    }
+    let wall = wall0.elapsed().as_secs_f64();
+    let cpu = stats::self_cpu_seconds() - cpu0;
+    let mut records = run.records.lock().map(|v| v.clone()).unwrap_or_default();
+    records.sort_by_key(|r| r.id);
+    let itl = run.itl.lock().map(|v| v.clone()).unwrap_or_default();
+    let summary = stats::summarize(&records, &itl, cli.time_scale, cli.replicas);
+    let upper = match &cli.tokenize {
+        Some(addr) => match bound(&run, addr, cli.block_size).await {
+            Ok(b) => json!(b),
+            Err(e) => json!({"error": e}),
+        },
+        None => Value::Null,
+    };
+    eprintln!(
+        "prefix-bench: {} ok, {} errors in {:.1}s; TTFT p50 {:.0} ms p95 {:.0} ms (simulated); client CPU {:.2}s ({:.0}% of one core)",
+        summary.ok,
+        summary.errors,
+        wall,
+        summary.ttft_ms.p50,
+        summary.ttft_ms.p95,
+        cpu,
+        100.0 * cpu / wall.max(1e-9)
+    );
+    let doc = json!({
+        "workload": name,
+        "params": params,
+        "config": {
+            "targets": cli.target, "mode": format!("{:?}", cli.mode).to_lowercase(),
+            "rate": cli.rate, "concurrency": cli.concurrency, "time_scale": cli.time_scale,
+            "model": cli.model, "max_tokens": cli.max_tokens, "seed": cli.seed,
+            "scale": cli.scale, "session_header": cli.session_header,
+            "max_duration_s": cli.max_duration, "drain_s": cli.drain,
+        },
+        "summary": summary,
+        "upper_bound": upper,
+        "loadgen": {"cpu_s": cpu, "wall_s": wall, "cpu_util": cpu / wall.max(1e-9), "threads": cli.threads},
+        "records": if cli.no_records { Value::Null } else { json!(records) },
+    });
+    let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
+    match &cli.out {
+        Some(p) => std::fs::write(p, text).map_err(|e| format!("write {}: {e}", p.display()))?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("prefix-bench: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(main_async(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("prefix-bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,585 @@
+"""Benchmark orchestrator: simulated replicas, each router in turn, the load
+generator, replica metrics, then the report.
+
+For every workload: start one `replica-sim` process (N replicas), then for
+every router: start it (Envoy + prefix-router, Envoy's own policies, or a
+peer router from PyPI), `POST /reset` every replica, snapshot the replicas'
+metrics, run `prefix-bench` against the router while polling the replicas'
+queue depth, snapshot again, stop the router. Results go to
+bench/results/<timestamp>/: results.json (every number), report.md, one
+JSON per run with per-request records, and PNG plots when matplotlib is
+installed.
+
+Every process started here is killed by pid when its run ends, and again at
+exit (atexit, SIGTERM/SIGINT), pass or fail. Every run is bounded in time.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402  (render_config, Envoy, free_port)
+import report  # noqa: E402
+
+SIM_BIN = ROOT / "target" / "release" / "replica-sim"
+BENCH_BIN = ROOT / "target" / "release" / "prefix-bench"
+SESSION_HEADER = "x-session-id"
+
+ALL_ROUTERS = [
+    "prefix-router",
+    "prefix-router-odst",
+    "round-robin",
+    "least-request",
+    "ring-hash",
+    "sglang-router",
+    "vllm-router",
+]
+ROUTER_LABELS = {
+    "prefix-router": "Envoy + prefix-router (override_host)",
+    "prefix-router-odst": "Envoy + prefix-router (original_dst)",
+    "round-robin": "Envoy ROUND_ROBIN",
+    "least-request": "Envoy LEAST_REQUEST",
+    "ring-hash": f"Envoy RING_HASH on {SESSION_HEADER}",
+    "sglang-router": "sglang-router / smg (cache_aware)",
+    "vllm-router": "vllm-router (cache_aware)",
+}
+
+
+def log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# Process ownership: everything we start is killed by pid.
+
+_OWNED: list[subprocess.Popen] = []
+
+
+def own(p: subprocess.Popen) -> subprocess.Popen:
+    _OWNED.append(p)
+    return p
+
+
+def kill(p: subprocess.Popen | None, grace: float = 5.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=5)
+    except ProcessLookupError:
+        pass
+
+
+@atexit.register
+def _kill_all() -> None:
+    for p in reversed(_OWNED):
+        kill(p, grace=2.0)
+
+
+def _on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _on_signal)
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(after[11]) + int(after[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+# --------------------------------------------------------------------------
+# Replicas
+
+
+class Sim:
+    """One replica-sim process serving N replicas on free ports."""
+
+    def __init__(self, replicas: int, preset: str, time_scale: float, kv_tokens: int | None):
+        self.args = [
+            str(SIM_BIN), "--port", "0", "--replicas", str(replicas),
+            "--preset", preset, "--time-scale", str(time_scale),
+        ]
+        if kv_tokens:
+            self.args += ["--kv-tokens", str(kv_tokens)]
+        self.replicas = replicas
+        self.proc: subprocess.Popen | None = None
+        self.addrs: list[str] = []
+
+    def __enter__(self):
+        if not SIM_BIN.exists():
+            raise RuntimeError(f"{SIM_BIN} missing: cargo build --release -p replica-sim")
+        self.proc = own(subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.time() + 30
+        while len(self.addrs) < self.replicas and time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"replica-sim exited: {self.proc.stderr.read()[-2000:]}")
+            if line.startswith("replica-sim listening on "):
+                self.addrs.append(line.split()[-1])
+        if len(self.addrs) < self.replicas:
+            raise RuntimeError("replica-sim did not announce all replicas in 30 s")
+        # Keep draining stdout so the child never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        kill(self.proc)
+
+    def reset(self) -> None:
+        for a in self.addrs:
+            http("POST", f"http://{a}/reset", b"{}", timeout=30)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        return {a: prom_sums(http("GET", f"http://{a}/metrics", timeout=5)) for a in self.addrs}
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> str:
+    req = urllib.request.Request(url, data=body, method=method)
+    if body is not None:
+        req.add_header("content-type", "application/json")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read().decode(errors="replace")
+
+
+def prom_sums(text: str) -> dict[str, float]:
+    """Prometheus text -> value summed over label sets, by metric name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0].strip()
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class Poller(threading.Thread):
+    """Polls every replica's `vllm:num_requests_waiting` during a run."""
+
+    def __init__(self, sim: Sim, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.sim, self.interval = sim, interval
+        self.stop_ev = threading.Event()
+        self.peak_total = 0.0
+        self.peak_replica = 0.0
+        self.samples: list[tuple[float, float]] = []
+
+    def run(self):
+        t0 = time.time()
+        while not self.stop_ev.is_set():
+            total = 0.0
+            for a in self.sim.addrs:
+                try:
+                    w = prom_sums(http("GET", f"http://{a}/metrics", timeout=2)).get(
+                        "vllm:num_requests_waiting", 0.0)
+                except OSError:
+                    continue
+                total += w
+                self.peak_replica = max(self.peak_replica, w)
+            self.peak_total = max(self.peak_total, total)
+            self.samples.append((round(time.time() - t0, 2), total))
+            self.stop_ev.wait(self.interval)
+
+    def stop(self):
+        self.stop_ev.set()
+        self.join(timeout=5)
+
+
+# --------------------------------------------------------------------------
+# Routers
+
+
+def venv_tool(name: str) -> str | None:
+    for d in (Path(sys.executable).parent, ROOT / ".venv-bench" / "bin", ROOT / ".venv" / "bin"):
+        if (d / name).exists():
+            return str(d / name)
+    return shutil.which(name)
+
+
+def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
+    """Envoy config for one router kind, rendered from envoy/*.yaml."""
+    if kind == "prefix-router":
+        return harness.render_config("override_host", {"endpoints": pool, "max_fallbacks": 1}, pool, port, admin)
+    if kind == "prefix-router-odst":
+        return harness.render_config("original_dst", {"endpoints": pool}, pool, port, admin)
+    # Envoy's own policies: the override_host config without the wasm filter
+    # and with a plain lb_policy.
+    cfg = harness.render_config("override_host", {"endpoints": pool}, pool, port, admin)
+    listener = cfg["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+    cluster = cfg["static_resources"]["clusters"][0]
+    cluster.pop("load_balancing_policy", None)
+    cluster["lb_policy"] = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST",
+                            "ring-hash": "RING_HASH"}[kind]
+    if kind == "ring-hash":
+        route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        route["hash_policy"] = [{"header": {"header_name": SESSION_HEADER}}]
+    return cfg
+
+
+class Router:
+    """Starts one router (maybe several Envoy instances); `targets` are the
+    host:port addresses the load generator uses."""
+
+    def __init__(self, kind: str, pool: list[str], envoy_concurrency: int, envoy_instances: int):
+        self.kind, self.pool = kind, pool
+        self.envoy_concurrency, self.envoy_instances = envoy_concurrency, envoy_instances
+        self.targets: list[str] = []
+        self.envoys: list[harness.Envoy] = []
+        self.proc: subprocess.Popen | None = None
+        self.logfile = None
+        self.stack = contextlib.ExitStack()
+
+    @property
+    def is_envoy(self) -> bool:
+        return self.kind in ("prefix-router", "prefix-router-odst", "round-robin", "least-request", "ring-hash")
+
+    def unavailable(self) -> str | None:
+        if self.is_envoy:
+            if not Path(harness.envoy_bin()).exists() and not shutil.which(harness.envoy_bin()):
+                return "envoy not found (run scripts/setup)"
+            if self.kind.startswith("prefix-router") and not harness.WASM.exists():
+                return f"{harness.WASM} missing (run scripts/build)"
+            return None
+        tool = {"sglang-router": "smg", "vllm-router": "vllm-router"}[self.kind]
+        if venv_tool(tool) is None and not (self.kind == "sglang-router" and venv_tool("sglang-router")):
+            return f"`{tool}` not installed (scripts/bench installs it into .venv-bench from PyPI)"
+        return None
+
+    def __enter__(self):
+        try:
+            if self.is_envoy:
+                for _ in range(self.envoy_instances):
+                    cfg = envoy_config(self.kind, self.pool, harness.free_port(), harness.free_port())
+                    env = harness.Envoy(cfg, concurrency=self.envoy_concurrency)
+                    try:
+                        env.__enter__()
+                    except BaseException:
+                        # harness.Envoy leaves the process running when it
+                        # fails to become ready: kill it here.
+                        kill(env.proc)
+                        env.dir.cleanup()
+                        raise
+                    own(env.proc)
+                    self.stack.push(env.__exit__)
+                    self.envoys.append(env)
+                    self.targets.append(f"127.0.0.1:{env.port}")
+            else:
+                self._start_peer()
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def _start_peer(self):
+        port, prom = harness.free_port(), harness.free_port()
+        urls = [f"http://{a}" for a in self.pool]
+        if self.kind == "sglang-router":
+            smg = venv_tool("smg")
+            cmd = [smg, "launch"] if smg else [venv_tool("sglang-router")]
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                    "--worker-urls", *urls, "--prometheus-port", str(prom),
+                    "--prometheus-host", "127.0.0.1", "--log-level", "warn",
+                    "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1"]
+        else:
+            cmd = [venv_tool("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                   "--policy", "cache_aware", "--worker-urls", *urls,
+                   "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1",
+                   "--log-level", "warning", "--worker-startup-timeout-secs", "30",
+                   "--worker-startup-check-interval", "1"]
+        self.logfile = tempfile.NamedTemporaryFile(prefix=f"bench-{self.kind}-", suffix=".log", delete=False)
+        self.proc = own(subprocess.Popen(cmd, stdout=self.logfile, stderr=subprocess.STDOUT, cwd=ROOT))
+        self.stack.callback(kill, self.proc)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited {self.proc.returncode}: {self.log_tail()}")
+            try:
+                http("GET", f"http://127.0.0.1:{port}/health", timeout=1)
+                # Routed end to end (the router knows its workers)?
+                http("GET", f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                self.targets = [f"127.0.0.1:{port}"]
+                return
+            except (OSError, urllib.error.HTTPError):
+                time.sleep(0.3)
+        raise RuntimeError(f"{self.kind} not ready in 60 s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if self.envoys:
+            return self.envoys[0].log()[-2000:]
+        if self.logfile:
+            with contextlib.suppress(OSError):
+                return Path(self.logfile.name).read_text(errors="replace")[-2000:]
+        return ""
+
+    def pids(self) -> list[int]:
+        if self.envoys:
+            return [e.proc.pid for e in self.envoys]
+        return [self.proc.pid] if self.proc else []
+
+    def filter_stats(self) -> dict[str, int]:
+        """prefix-router's own counters, summed over Envoy instances."""
+        out: dict[str, int] = {}
+        for e in self.envoys:
+            with contextlib.suppress(OSError):
+                for k, v in e.stats().items():
+                    if "prefix_router." in k and ".replica." not in k:
+                        short = k.split("prefix_router.", 1)[1]
+                        out[short] = out.get(short, 0) + v
+        return out
+
+    def __exit__(self, *exc):
+        self.stack.close()
+        if self.logfile:
+            self.logfile.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.logfile.name)
+
+
+# --------------------------------------------------------------------------
+# Workloads
+
+
+def profiles(a) -> dict[str, dict]:
+    """Per workload: replica set-up and load generator arguments."""
+    kv_scaled = max(4096, int(100_000 * a.scale))
+    return {
+        # The published shape: 150 groups x 2,048-token prefixes, 9,000
+        # prompts, 8 replicas. --scale shrinks groups, prompts and each
+        # replica's KV cache together, so round robin still has ~3x more
+        # distinct prefix per replica than fits and a prefix-aware router
+        # still fits its share.
+        "shared-prefix": dict(
+            replicas=a.replicas or 8, preset=a.preset or "a10g-7b",
+            time_scale=a.time_scale or 0.25, kv_tokens=a.kv_tokens or kv_scaled,
+            load=["--mode", "open", "--rate", str(a.rate or 12.0), "--scale", str(a.scale),
+                  "--max-tokens", str(a.max_tokens or 32),
+                  "shared-prefix", "--groups", str(a.groups), "--prompts", str(a.prompts),
+                  "--prefix-tokens", str(a.prefix_tokens), "--question-tokens", "32"],
+        ),
+        # The published multi-turn test: 11 conversations x 10 turns, 4 L4
+        # replicas; already small, so --scale doesn't shrink it.
+        "multi-turn": dict(
+            replicas=a.replicas or 4, preset=a.preset or "l4-7b",
+            time_scale=a.time_scale or 0.1, kv_tokens=a.kv_tokens,
+            load=["--max-tokens", str(a.max_tokens or 64),
+                  "multi-turn", "--conversations", str(a.conversations), "--turns", str(a.turns),
+                  "--think", str(a.think)],
+        ),
+        # A recorded trace (JSONL, see `prefix-bench replay --help`).
+        "replay": dict(
+            replicas=a.replicas or 8, preset=a.preset or "a10g-7b",
+            time_scale=a.time_scale or 0.25, kv_tokens=a.kv_tokens,
+            load=["--max-tokens", str(a.max_tokens or 32),
+                  "replay", str(a.trace), "--speedup", str(a.speedup)],
+        ),
+        "unique": dict(
+            replicas=a.replicas or 8, preset=a.preset or "a10g-7b",
+            time_scale=a.time_scale or 0.25, kv_tokens=a.kv_tokens or kv_scaled,
+            load=["--mode", "open", "--rate", str(a.rate or 12.0), "--scale", str(a.scale),
+                  "--max-tokens", str(a.max_tokens or 32),
+                  "unique", "--prompts", "2000", "--prompt-tokens", "256"],
+        ),
+    }
+
+
+def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
+    cmd = [str(BENCH_BIN), "--target", ",".join(targets), "--time-scale", str(prof["time_scale"]),
+           "--seed", str(a.seed), "--replicas", str(len(sim.addrs)), "--tokenize", sim.addrs[0],
+           "--session-header", SESSION_HEADER, "--max-duration", str(a.max_run_seconds),
+           "--drain", str(a.drain_seconds), "--out", str(out), *prof["load"]]
+    p = own(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        _, err = p.communicate(timeout=a.max_run_seconds + a.drain_seconds + 120)
+    finally:
+        kill(p)
+    for line in (err or "").splitlines():
+        log(f"  {line}")
+    if p.returncode != 0:
+        raise RuntimeError(f"prefix-bench failed ({p.returncode}): {(err or '')[-1500:]}")
+    return json.loads(out.read_text())
+
+
+def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> dict:
+    label = ROUTER_LABELS[kind]
+    if kind.startswith("prefix-router") or kind in ("round-robin", "least-request", "ring-hash"):
+        label += f" x{a.envoy_instances}" if a.envoy_instances > 1 else ""
+        label += f" (c={a.envoy_concurrency})" if a.envoy_concurrency != 2 else ""
+    row = {"workload": workload, "router": kind, "label": label}
+    router = Router(kind, sim.addrs, a.envoy_concurrency, a.envoy_instances)
+    why = router.unavailable()
+    if why:
+        log(f"[{workload}] {kind}: skipped: {why}")
+        return {**row, "skipped": why}
+    log(f"[{workload}] {kind}: starting")
+    try:
+        with router:
+            sim.reset()
+            before = sim.metrics()
+            cpu0 = {pid: cpu_seconds(pid) for pid in router.pids()}
+            poller = Poller(sim)
+            poller.start()
+            t0 = time.time()
+            try:
+                doc = run_loadgen(router.targets, prof, sim,
+                                  outdir / "runs" / f"{workload}--{kind}.json", a)
+            finally:
+                poller.stop()
+            wall = time.time() - t0
+            after = sim.metrics()
+            router_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
+            fstats = router.filter_stats()
+    except Exception as e:  # a router that can't run is reported, not fatal
+        log(f"[{workload}] {kind}: FAILED: {e}")
+        return {**row, "skipped": f"failed: {str(e)[:300]}"}
+
+    def delta(name: str) -> float:
+        return sum(after[r].get(name, 0.0) - before[r].get(name, 0.0) for r in sim.addrs)
+
+    hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
+    s = doc["summary"]
+    counts = [s["served_by"].get(r, 0) for r in sim.addrs]
+    row.update({
+        "targets": router.targets,
+        "requests": s["requests"], "ok": s["ok"], "errors": s["errors"],
+        "error_kinds": s["error_kinds"],
+        "req_per_s": s["req_per_s"],
+        "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "e2e_ms": s["e2e_ms"],
+        "hit_rate": hits / queries if queries else None,
+        "hit_tokens": hits, "query_tokens": queries,
+        "client_hit_rate": s["client_hit_rate"],
+        "served_by": dict(zip(sim.addrs, counts)),
+        "share_max_over_mean": s["share_max_over_mean"],
+        "peak_waiting_total": poller.peak_total,
+        "peak_waiting_replica": poller.peak_replica,
+        "waiting_samples": poller.samples,
+        "upper_bound": doc.get("upper_bound"),
+        "loadgen": doc["loadgen"],
+        "router_cpu_s": router_cpu,
+        "wall_s": wall,
+        "filter_stats": fstats,
+        "records_file": f"runs/{workload}--{kind}.json",
+    })
+    log(f"[{workload}] {kind}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "
+        f"{s['ttft_ms']['p95']:.0f} ms, peak waiting {poller.peak_total:.0f}, errors {s['errors']}")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="shared-prefix",
+                    help="shared-prefix | multi-turn | unique | replay | all (comma-separated list allowed)")
+    ap.add_argument("--routers", default=",".join(ALL_ROUTERS),
+                    help=f"comma-separated, from: {', '.join(ALL_ROUTERS)}")
+    ap.add_argument("--scale", type=float, default=0.1,
+                    help="shrinks shared-prefix/unique counts and the KV cache together (1 = published size)")
+    ap.add_argument("--replicas", type=int, default=0, help="default: 8 (shared-prefix, unique), 4 (multi-turn)")
+    ap.add_argument("--preset", default=None, help="replica-sim preset: fast | a10g-7b | l4-7b")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="replica-sim time scale (real s per simulated s); latencies are reported in simulated ms")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV cache tokens per replica (default: 100k x scale)")
+    ap.add_argument("--rate", type=float, default=None, help="open-loop arrivals per simulated second (default 12)")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--groups", type=int, default=150)
+    ap.add_argument("--prompts", type=int, default=9000)
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--conversations", type=int, default=11)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--think", type=float, default=15.0, help="multi-turn mean think time, simulated s")
+    ap.add_argument("--trace", type=Path, default=None, help="JSONL trace for --workload replay")
+    ap.add_argument("--speedup", type=float, default=1.0, help="replay speed-up")
+    ap.add_argument("--envoy-concurrency", type=int, default=2)
+    ap.add_argument("--envoy-instances", type=int, default=1,
+                    help="independent Envoy instances splitting the clients")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-run-seconds", type=float, default=300.0, help="real seconds of sending per run")
+    ap.add_argument("--drain-seconds", type=float, default=120.0)
+    ap.add_argument("--out", type=Path, default=None, help="results directory (default bench/results/<timestamp>)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--demo", action="store_true",
+                    help="short: prefix-router vs round robin on shared-prefix (~1 minute)")
+    a = ap.parse_args(argv)
+
+    if a.demo:
+        a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"
+        a.time_scale = a.time_scale or 0.2
+        a.max_run_seconds = min(a.max_run_seconds, 60.0)
+        a.drain_seconds = min(a.drain_seconds, 60.0)
+    workloads = ["shared-prefix", "multi-turn", "unique"] if a.workload == "all" else a.workload.split(",")
+    routers = [r.strip() for r in a.routers.split(",") if r.strip()]
+    for w in workloads:
+        if w not in ("shared-prefix", "multi-turn", "unique", "replay"):
+            ap.error(f"unknown workload {w}")
+    if "replay" in workloads and not (a.trace and a.trace.exists()):
+        ap.error("--workload replay needs --trace FILE (JSONL)")
+    for r in routers:
+        if r not in ALL_ROUTERS:
+            ap.error(f"unknown router {r} (known: {', '.join(ALL_ROUTERS)})")
+    for b in (SIM_BIN, BENCH_BIN):
+        if not b.exists():
+            log(f"{b} missing: run scripts/build and cargo build --release -p prefix-bench")
+            return 2
+
+    outdir = a.out or ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    (outdir / "runs").mkdir(parents=True, exist_ok=True)
+    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv,
+               "envoy_concurrency": a.envoy_concurrency, "envoy_instances": a.envoy_instances,
+               "workloads": {}}
+    t_start = time.time()
+    for w in workloads:
+        prof = profiles(a)[w]
+        log(f"[{w}] {prof['replicas']} replicas, preset {prof['preset']}, time scale {prof['time_scale']}, "
+            f"KV {prof['kv_tokens'] or 'preset'} tokens each")
+        rows = []
+        with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"]) as sim:
+            for r in routers:
+                rows.append(one_run(w, r, sim, prof, a, outdir))
+        results["workloads"][w] = {"setup": {k: v for k, v in prof.items() if k != "load"},
+                                   "load_args": prof["load"], "runs": rows}
+        (outdir / "results.json").write_text(json.dumps(results, indent=1))
+    results["elapsed_s"] = time.time() - t_start
+    (outdir / "results.json").write_text(json.dumps(results, indent=1))
+    md = report.render(results)
+    (outdir / "report.md").write_text(md)
+    if not a.no_plots:
+        made = report.plots(results, outdir)
+        if made:
+            log(f"plots: {', '.join(made)}")
+    print(md)
+    log(f"results in {outdir} ({results['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Markdown report and PNG plots from a results.json written by orchestrate.py.
+
+    python bench/report.py bench/results/<timestamp>      # re-render report.md (+ plots)
+
+Plots need matplotlib; without it they are skipped with a message.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+WORKLOAD_TITLES = {
+    "shared-prefix": "shared-prefix (groups of requests sharing a long prefix)",
+    "multi-turn": "multi-turn (conversations resending their history)",
+    "unique": "unique (no shared prefix: the control)",
+}
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}"
+
+
+def render(results: dict) -> str:
+    out = ["# prefix-router benchmark", ""]
+    out.append(
+        f"Started {results.get('started', '?')}; Envoy `--concurrency {results.get('envoy_concurrency', 2)}`, "
+        f"{results.get('envoy_instances', 1)} Envoy instance(s) per Envoy-based router. "
+        "Latencies are in simulated milliseconds (real time / the simulator's time scale). "
+        "Hit rate is the replicas' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` "
+        "over the run (tokens, summed over replicas); the bound is the best any router could do "
+        "(one cache that has seen every earlier request: each distinct 16-token prefix block computed once)."
+    )
+    out.append("")
+    if results.get("commands"):
+        out.append("Merged from: " + "; ".join(f"`{c}`" for c in results["commands"]) + ".")
+        out.append("")
+    for w, data in results.get("workloads", {}).items():
+        setup = data.get("setup", {})
+        out.append(f"## {WORKLOAD_TITLES.get(w, w)}")
+        out.append("")
+        out.append(
+            f"{setup.get('replicas')} replicas, preset `{setup.get('preset')}`, time scale "
+            f"{setup.get('time_scale')}, KV cache {setup.get('kv_tokens') or 'preset default'} tokens per replica; "
+            f"load: `{' '.join(data.get('load_args', []))}`"
+        )
+        out.append("")
+        out.append(
+            "| router | req/s | TTFT mean | TTFT p50 | TTFT p95 | TTFT p99 | ITL p50 | e2e p95 "
+            "| hit rate | bound | share max/mean | peak waiting | errors |"
+        )
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        notes = []
+        for r in data.get("runs", []):
+            if r.get("skipped"):
+                out.append(f"| {r['label']} | skipped: {r['skipped']} |" + " |" * 11)
+                continue
+            ub = r.get("upper_bound") or {}
+            t, itl, e2e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
+            out.append(
+                f"| {r['label']} | {r['req_per_s']:.2f} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p95'])} "
+                f"| {_ms(t['p99'])} | {itl['p50']:.1f} | {_ms(e2e['p95'])} | {_pct(r['hit_rate'])} "
+                f"| {_pct(ub.get('hit_rate'))} | {r['share_max_over_mean']:.2f} "
+                f"| {r['peak_waiting_total']:.0f} | {r['errors']} |"
+            )
+            lg = r.get("loadgen", {})
+            notes.append(
+                f"{r['router']}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s real; "
+                f"load generator {lg.get('cpu_s', 0):.2f} CPU s ({100 * lg.get('cpu_util', 0):.0f}% of a core), "
+                f"router {r.get('router_cpu_s', 0):.2f} CPU s"
+                + (f"; errors: {r['error_kinds']}" if r.get("error_kinds") else "")
+                + (
+                    f"; filter decisions: "
+                    + ", ".join(
+                        f"{k.split('.', 1)[1]} {v}"
+                        for k, v in sorted(r["filter_stats"].items())
+                        if k.startswith("decision.")
+                    )
+                    if r.get("filter_stats")
+                    else ""
+                )
+            )
+        out.append("")
+        if notes:
+            out.append("<details><summary>run notes</summary>")
+            out.append("")
+            out.extend(f"- {n}" for n in notes)
+            out.append("")
+            out.append("</details>")
+            out.append("")
+    out.append(
+        "Columns: req/s = completed requests per simulated second; ITL = gap between streamed "
+        "tokens; share max/mean = the busiest replica's request count over the mean (1.00 = even); "
+        "peak waiting = highest sum over replicas of `vllm:num_requests_waiting`, polled every 0.2 s."
+    )
+    out.append("")
+    return "\n".join(out)
+
+
+def plots(results: dict, outdir: Path) -> list[str]:
+    """TTFT CDF per router, and hit rate / p95 TTFT bars, per workload."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib not installed, no plots", file=sys.stderr)
+        return []
+    made = []
+    for w, data in results.get("workloads", {}).items():
+        runs = [r for r in data.get("runs", []) if not r.get("skipped")]
+        if not runs:
+            continue
+        scale = data.get("setup", {}).get("time_scale") or 1.0
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        curves = 0
+        for r in runs:
+            path = outdir / r["records_file"]
+            try:
+                recs = json.loads(path.read_text()).get("records") or []
+            except (OSError, ValueError):
+                continue
+            ttft = sorted(x["ttft_ms"] / scale / 1000 for x in recs if x.get("ok") and x.get("ttft_ms") is not None)
+            if not ttft:
+                continue
+            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            ax.step(ttft, ys, where="post", label=r["label"])
+            curves += 1
+        # Without per-request records (e.g. the committed example) keep
+        # whatever CDF plot is already there.
+        if curves:
+            ax.set_xscale("log")
+            ax.set_xlabel("time to first token (simulated s, log)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"TTFT CDF: {w}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+            fig.tight_layout()
+            name = f"{w}-ttft-cdf.png"
+            fig.savefig(outdir / name, dpi=110)
+            made.append(name)
+        plt.close(fig)
+
+        labels = [r["router"] for r in runs]
+        hit = [100 * (r["hit_rate"] or 0) for r in runs]
+        p95 = [r["ttft_ms"]["p95"] / 1000 for r in runs]
+        bound = next((r["upper_bound"]["hit_rate"] for r in runs if (r.get("upper_bound") or {}).get("hit_rate") is not None), None)
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+        a1.bar_label(a1.bar(labels, hit, color="tab:green"), fmt="%.0f%%", fontsize=7)
+        if bound is not None:
+            a1.axhline(100 * bound, color="k", ls="--", lw=1, label=f"upper bound {100 * bound:.0f}%")
+            a1.legend(fontsize=8)
+        a1.set_ylabel("prefix-cache hit rate (%)")
+        a1.set_ylim(0, 100)
+        a1.set_title(f"hit rate: {w}")
+        a2.bar_label(a2.bar(labels, p95, color="tab:red"), fmt="%.2f", fontsize=7)
+        a2.set_ylabel("TTFT p95 (simulated s)")
+        a2.set_title(f"TTFT p95: {w}")
+        for a in (a1, a2):
+            a.tick_params(axis="x", rotation=30, labelsize=8)
+            for lab in a.get_xticklabels():
+                lab.set_horizontalalignment("right")
+        fig.tight_layout()
+        name = f"{w}-bars.png"
+        fig.savefig(outdir / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    outdir = Path(argv[0])
+    results = json.loads((outdir / "results.json").read_text())
+    md = render(results)
+    (outdir / "report.md").write_text(md)
+    plots(results, outdir)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

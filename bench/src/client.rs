@@ -1,0 +1,263 @@
+//! HTTP/1.1 keep-alive client: a pool of connections per target, one
+//! streaming request per connection at a time, SSE parsed as it arrives.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use tokio::net::TcpStream;
+
+type Sender = SendRequest<Full<Bytes>>;
+
+/// Idle keep-alive connections to one `host:port`.
+pub struct Pool {
+    pub addr: String,
+    idle: Mutex<Vec<Sender>>,
+}
+
+impl Pool {
+    pub fn new(addr: String) -> Self {
+        Pool {
+            addr,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    async fn get(&self) -> Result<Sender, String> {
+        loop {
+            let cached = self.idle.lock().map_or(None, |mut v| v.pop());
+            let Some(mut s) = cached else { break };
+            if !s.is_closed() && s.ready().await.is_ok() {
+                return Ok(s);
+            }
+        }
+        let stream = TcpStream::connect(&self.addr)
+            .await
+            .map_err(|e| format!("connect {}: {e}", self.addr))?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake {}: {e}", self.addr))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+
+    fn put(&self, s: Sender) {
+        if !s.is_closed() {
+            if let Ok(mut v) = self.idle.lock() {
+                v.push(s);
+            }
+        }
+    }
+}
+
+/// What one request measured, in real milliseconds from just before the
+/// request was written.
+#[derive(Default, Debug)]
+pub struct Outcome {
+    pub status: u16,
+    pub error: Option<String>,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+    /// Gaps between consecutive token chunks.
+    pub itl_ms: Vec<f64>,
+    pub chunks: u32,
+    pub served_by: Option<String>,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// Generated text (kept for multi-turn history).
+    pub text: String,
+}
+
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<Choice>,
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    delta: Option<Delta>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: u64,
+}
+
+/// Sends one streaming request and reads the SSE stream to its end.
+pub async fn send(pool: &Pool, path: &str, body: Bytes, headers: &[(String, String)]) -> Outcome {
+    let mut out = Outcome::default();
+    let mut sender = match pool.get().await {
+        Ok(s) => s,
+        Err(e) => {
+            out.error = Some(e);
+            return out;
+        }
+    };
+    let mut req = Request::post(path)
+        .header("host", &pool.addr)
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream");
+    for (k, v) in headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let req = match req.body(Full::new(body)) {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(format!("bad request: {e}"));
+            return out;
+        }
+    };
+    let t0 = Instant::now();
+    let resp = match sender.send_request(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(format!("send: {e}"));
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    out.served_by = resp
+        .headers()
+        .get("x-served-by")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let ok = resp.status().is_success();
+    let mut body = resp.into_body();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut done = false;
+    let mut err_body = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(f) => f,
+            Err(e) => {
+                out.error = Some(format!("body: {e}"));
+                break;
+            }
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if !ok {
+            if err_body.len() < 512 {
+                err_body.extend_from_slice(&data);
+            }
+            continue;
+        }
+        let now = Instant::now();
+        buf.extend_from_slice(&data);
+        // Events end with a blank line.
+        while let Some(end) = find(&buf, b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            for line in event.split(|&b| b == b'\n') {
+                let Some(payload) = line.strip_prefix(b"data:") else {
+                    continue;
+                };
+                let payload = payload.trim_ascii();
+                if payload == b"[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
+                    continue;
+                };
+                if let Some(u) = chunk.usage {
+                    out.prompt_tokens = Some(u.prompt_tokens);
+                    out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
+                }
+                let piece: String = chunk
+                    .choices
+                    .into_iter()
+                    .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
+                    .collect();
+                if piece.is_empty() {
+                    continue;
+                }
+                out.chunks += 1;
+                out.text.push_str(&piece);
+                match last {
+                    None => out.ttft_ms = Some(ms(now - t0)),
+                    Some(prev) => out.itl_ms.push(ms(now - prev)),
+                }
+                last = Some(now);
+            }
+        }
+    }
+    out.e2e_ms = Some(ms(t0.elapsed()));
+    if !ok {
+        let msg = String::from_utf8_lossy(&err_body);
+        out.error = Some(format!("HTTP {}: {}", out.status, msg.trim()));
+    } else if out.error.is_none() && !done {
+        out.error = Some("stream ended without [DONE]".into());
+    }
+    if out.error.is_none() {
+        pool.put(sender);
+    }
+    out
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// POST a JSON body and return the JSON answer (used for /tokenize).
+pub async fn post_json(pool: &Pool, path: &str, body: Bytes) -> Result<serde_json::Value, String> {
+    let mut sender = pool.get().await?;
+    let req = Request::post(path)
+        .header("host", &pool.addr)
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("body: {e}"))?
+        .to_bytes();
+    pool.put(sender);
+    if !status.is_success() {
+        return Err(format!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+        ));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("bad JSON: {e}"))
+}

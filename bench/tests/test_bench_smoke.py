@@ -1,0 +1,68 @@
+"""Smoke test of the benchmark harness: a tiny shared-prefix run through
+Envoy + prefix-router (override_host) and Envoy round robin, on simulated
+replicas. Checks that the report (Markdown + JSON) is written and that
+prefix-router's measured prefix-cache hit rate beats round robin's.
+
+Needs: target/release/{replica-sim,prefix-bench} (built here if missing),
+the wasm module (scripts/build) and Envoy (scripts/setup). No matplotlib.
+Bounded: the harness caps each run; the whole test takes ~20-40 s.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1]
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+import harness  # noqa: E402
+
+
+def _need_binaries():
+    missing = [p for p in ("replica-sim", "prefix-bench") if not (ROOT / "target" / "release" / p).exists()]
+    if missing:
+        subprocess.run(
+            ["cargo", "build", "--release", "-p", "replica-sim", "-p", "prefix-bench"],
+            cwd=ROOT, check=True, timeout=900,
+        )
+    if not harness.WASM.exists():
+        pytest.fail(f"{harness.WASM} not built: run scripts/build first")
+
+
+def test_prefix_router_beats_round_robin(tmp_path):
+    _need_binaries()
+    import orchestrate
+
+    out = tmp_path / "results"
+    rc = orchestrate.main([
+        "--workload", "shared-prefix",
+        "--routers", "prefix-router,round-robin",
+        "--scale", "0.02",           # 3 groups x 2,048-token prefixes, 180 prompts
+        "--replicas", "4",
+        "--time-scale", "0.2",
+        "--max-run-seconds", "30",
+        "--drain-seconds", "20",
+        "--no-plots",
+        "--out", str(out),
+    ])
+    assert rc == 0
+    md = (out / "report.md").read_text()
+    assert "| router |" in md and "Envoy + prefix-router" in md and "ROUND_ROBIN" in md
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["router"]: r for r in results["workloads"]["shared-prefix"]["runs"]}
+    for name in ("prefix-router", "round-robin"):
+        r = runs[name]
+        assert not r.get("skipped"), r.get("skipped")
+        assert r["ok"] > 0 and r["errors"] == 0, r.get("error_kinds")
+        assert r["hit_rate"] is not None
+        assert (out / r["records_file"]).exists()
+    pr, rr = runs["prefix-router"], runs["round-robin"]
+    assert pr["hit_rate"] > rr["hit_rate"], (pr["hit_rate"], rr["hit_rate"])
+    bound = pr["upper_bound"]["hit_rate"]
+    assert pr["hit_rate"] <= bound + 0.02, (pr["hit_rate"], bound)
