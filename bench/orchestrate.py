@@ -226,12 +226,21 @@ def venv_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
+# Extra prefix-router plugin keys from --plugin (tuning experiments).
+PLUGIN_EXTRA: dict = {}
+
+
 def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
-    """Envoy config for one router kind, rendered from envoy/*.yaml."""
+    """Envoy config for one router kind, rendered from envoy/*.yaml.
+
+    prefix-router runs as recommended: metrics scraping on (`cluster`),
+    plus whatever --plugin adds."""
     if kind == "prefix-router":
-        return harness.render_config("override_host", {"endpoints": pool, "max_fallbacks": 1}, pool, port, admin)
+        plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **PLUGIN_EXTRA}
+        return harness.render_config("override_host", plugin, pool, port, admin)
     if kind == "prefix-router-odst":
-        return harness.render_config("original_dst", {"endpoints": pool}, pool, port, admin)
+        plugin = {"endpoints": pool, "cluster": "pool", **PLUGIN_EXTRA}
+        return harness.render_config("original_dst", plugin, pool, port, admin)
     # Envoy's own policies: the override_host config without the wasm filter
     # and with a plain lb_policy.
     cfg = harness.render_config("override_host", {"endpoints": pool}, pool, port, admin)
@@ -523,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--envoy-instances", type=int, default=1,
                     help="independent Envoy instances splitting the clients")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--plugin", default="{}",
+                    help="JSON object of extra prefix-router plugin keys, e.g. '{\"bounded_load_factor\": 2}'")
     ap.add_argument("--max-run-seconds", type=float, default=300.0, help="real seconds of sending per run")
     ap.add_argument("--drain-seconds", type=float, default=120.0)
     ap.add_argument("--out", type=Path, default=None, help="results directory (default bench/results/<timestamp>)")
@@ -530,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", action="store_true",
                     help="short: prefix-router vs round robin on shared-prefix (~1 minute)")
     a = ap.parse_args(argv)
+    try:
+        PLUGIN_EXTRA.clear()
+        PLUGIN_EXTRA.update(json.loads(a.plugin))
+    except (ValueError, TypeError) as e:
+        ap.error(f"--plugin: not a JSON object: {e}")
 
     if a.demo:
         a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"

@@ -54,19 +54,25 @@ pub struct Weights {
     /// Cost (blocks) of a replica that would have to load the requested
     /// LoRA adapter; half of it if it has a free adapter slot.
     pub lora: f64,
+    /// Cost per block of new content recently placed on the replica,
+    /// charged for the part of the request it doesn't hold: spreads new
+    /// prefixes over the pool instead of by hash alone.
+    pub spread: f64,
 }
 
 impl Default for Weights {
     fn default() -> Self {
         // A cached prefix is worth more than the prefill it saves once: the
-        // group's next requests hit it too. 2:1 keeps a hot prefix on few
-        // replicas until load really differs (see score.rs).
+        // group's next requests hit it too, and a copy elsewhere costs a
+        // full prefill that queues whatever arrives behind it. 4:1 was the
+        // best tail TTFT on the shared-prefix benchmark (README, tuning).
         Weights {
-            prefix: 2.0,
+            prefix: 4.0,
             load: 1.0,
             queue: 16.0,
             kv: 32.0,
             lora: 64.0,
+            spread: 0.5,
         }
     }
 }
@@ -213,7 +219,7 @@ fn default_request_cost() -> u32 {
     8
 }
 fn default_bounded_load() -> f64 {
-    1.5
+    3.0
 }
 fn default_bounded_slack() -> u32 {
     64
@@ -361,6 +367,7 @@ impl Config {
             ("weights.queue", raw.weights.queue),
             ("weights.kv", raw.weights.kv),
             ("weights.lora", raw.weights.lora),
+            ("weights.spread", raw.weights.spread),
         ] {
             if !(w.is_finite() && (0.0..=1000.0).contains(&w)) {
                 return Err(ConfigError::Range {

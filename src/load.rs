@@ -12,7 +12,10 @@ use std::collections::HashMap;
 use crate::endpoint::ReplicaId;
 use crate::store::{update, Reader, Store};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Placed-content estimates halve this often: roughly how long a model
+/// server keeps an unused prefix before other traffic evicts it.
+pub const PLACED_HALF_LIFE_MS: u64 = 60_000;
 const SLOTS_KEY: &str = "prefix-router/load/slots";
 /// Bound on slot keys: more VMs than this share no counts (logged).
 pub const MAX_SLOTS: u32 = 256;
@@ -22,6 +25,10 @@ pub struct Load {
     pub requests: u32,
     /// Estimated outstanding work, in prefix blocks (see `score`).
     pub work: u64,
+    /// Prefix blocks recently sent to the replica that it didn't hold
+    /// (new content in its cache), decaying with `PLACED_HALF_LIFE_MS`: how
+    /// full of other groups' prefixes it is, for placing new ones.
+    pub placed: u32,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -36,7 +43,7 @@ fn slot_key(i: u32) -> String {
 }
 
 fn encode(s: &Slot) -> Vec<u8> {
-    let mut out = Vec::with_capacity(21 + s.loads.len() * 20);
+    let mut out = Vec::with_capacity(21 + s.loads.len() * 24);
     out.push(VERSION);
     out.extend_from_slice(&s.owner.to_le_bytes());
     out.extend_from_slice(&s.heartbeat_ms.to_le_bytes());
@@ -45,6 +52,7 @@ fn encode(s: &Slot) -> Vec<u8> {
         out.extend_from_slice(&id.to_le_bytes());
         out.extend_from_slice(&l.requests.to_le_bytes());
         out.extend_from_slice(&l.work.to_le_bytes());
+        out.extend_from_slice(&l.placed.to_le_bytes());
     }
     out
 }
@@ -66,7 +74,15 @@ fn decode(buf: &[u8]) -> Option<Slot> {
         let id = r.u64()?;
         let requests = r.u32()?;
         let work = r.u64()?;
-        loads.push((id, Load { requests, work }));
+        let placed = r.u32()?;
+        loads.push((
+            id,
+            Load {
+                requests,
+                work,
+                placed,
+            },
+        ));
     }
     r.is_empty().then_some(Slot {
         owner,
@@ -89,6 +105,7 @@ pub struct LoadBoard {
     slot: Option<u32>,
     local: BTreeMap<ReplicaId, Load>,
     stale_ms: u64,
+    last_decay_ms: u64,
 }
 
 impl LoadBoard {
@@ -100,6 +117,7 @@ impl LoadBoard {
             slot: None,
             local: BTreeMap::new(),
             stale_ms,
+            last_decay_ms: 0,
         }
     }
 
@@ -111,10 +129,20 @@ impl LoadBoard {
         self.slot
     }
 
-    pub fn start<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
+    /// A request starts on `id`: `work` in flight, `new_blocks` of prefix
+    /// it didn't hold.
+    pub fn start<S: Store + ?Sized>(
+        &mut self,
+        store: &S,
+        id: ReplicaId,
+        work: u64,
+        new_blocks: u32,
+        now_ms: u64,
+    ) {
         let l = self.local.entry(id).or_default();
         l.requests = l.requests.saturating_add(1);
         l.work = l.work.saturating_add(work);
+        l.placed = l.placed.saturating_add(new_blocks);
         self.publish(store, now_ms);
     }
 
@@ -122,11 +150,23 @@ impl LoadBoard {
         if let Some(l) = self.local.get_mut(&id) {
             l.requests = l.requests.saturating_sub(1);
             l.work = l.work.saturating_sub(work);
-            if l.requests == 0 {
-                self.local.remove(&id);
-            }
         }
         self.publish(store, now_ms);
+    }
+
+    /// Halve placed content once per half-life; forget idle replicas.
+    fn decay(&mut self, now_ms: u64) {
+        if self.last_decay_ms == 0 {
+            self.last_decay_ms = now_ms;
+        }
+        let halvings = now_ms.saturating_sub(self.last_decay_ms) / PLACED_HALF_LIFE_MS;
+        if halvings > 0 {
+            self.last_decay_ms += halvings * PLACED_HALF_LIFE_MS;
+            for l in self.local.values_mut() {
+                l.placed = l.placed.checked_shr(halvings.min(31) as u32).unwrap_or(0);
+            }
+        }
+        self.local.retain(|_, l| l.requests > 0 || l.placed > 0);
     }
 
     /// Called on the timer: keeps the slot fresh while the VM lives.
@@ -140,6 +180,7 @@ impl LoadBoard {
     /// took our slot (we looked dead), claim another: our local counts are
     /// the truth and move with us.
     fn publish<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
+        self.decay(now_ms);
         for _ in 0..2 {
             let Some(slot) = self.slot.or_else(|| self.claim(store, now_ms)) else {
                 return;
@@ -231,6 +272,7 @@ pub fn snapshot<S: Store + ?Sized>(
             let t = out.entry(id).or_default();
             t.requests = t.requests.saturating_add(l.requests);
             t.work = t.work.saturating_add(l.work);
+            t.placed = t.placed.saturating_add(l.placed);
         }
     }
     out
@@ -246,16 +288,17 @@ mod tests {
         let s = MemStore::new();
         let mut w1 = LoadBoard::new(1, 1000);
         let mut w2 = LoadBoard::new(2, 1000);
-        w1.start(&s, 10, 5, 0);
-        w2.start(&s, 10, 7, 0);
-        w2.start(&s, 20, 1, 0);
+        w1.start(&s, 10, 5, 0, 0);
+        w2.start(&s, 10, 7, 0, 0);
+        w2.start(&s, 20, 1, 0, 0);
         assert_ne!(w1.slot(), w2.slot());
         let snap = snapshot(&s, 1, 1000);
         assert_eq!(
             snap[&10],
             Load {
                 requests: 2,
-                work: 12
+                work: 12,
+                placed: 0
             }
         );
         assert_eq!(snap[&20].requests, 1);
@@ -269,11 +312,11 @@ mod tests {
     fn a_dead_workers_counts_expire_and_its_slot_is_reused() {
         let s = MemStore::new();
         let mut dead = LoadBoard::new(1, 1000);
-        dead.start(&s, 10, 5, 0);
+        dead.start(&s, 10, 5, 0, 0);
         assert_eq!(snapshot(&s, 500, 1000)[&10].requests, 1);
         assert!(snapshot(&s, 1500, 1000).is_empty());
         let mut next = LoadBoard::new(2, 1000);
-        next.start(&s, 11, 1, 1500);
+        next.start(&s, 11, 1, 0, 1500);
         assert_eq!(next.slot(), dead.slot());
         assert_eq!(slot_count(&s), 1);
     }
@@ -282,16 +325,34 @@ mod tests {
     fn a_vm_whose_slot_was_taken_moves_with_its_counts() {
         let s = MemStore::new();
         let mut slow = LoadBoard::new(1, 1000);
-        slow.start(&s, 10, 5, 0);
+        slow.start(&s, 10, 5, 0, 0);
         // Looked dead at t=2000, so a new VM took slot 0.
         let mut fresh = LoadBoard::new(2, 1000);
-        fresh.start(&s, 11, 1, 2000);
+        fresh.start(&s, 11, 1, 0, 2000);
         assert_eq!(fresh.slot(), Some(0));
         slow.heartbeat(&s, 2001);
         assert_eq!(slow.slot(), Some(1));
         let snap = snapshot(&s, 2002, 1000);
         assert_eq!(snap[&10].requests, 1);
         assert_eq!(snap[&11].requests, 1);
+    }
+
+    #[test]
+    fn placed_content_outlives_requests_and_decays() {
+        let s = MemStore::new();
+        let mut w = LoadBoard::new(1, 1_000_000);
+        w.start(&s, 10, 5, 128, 1);
+        w.finish(&s, 10, 5, 2);
+        let snap = snapshot(&s, 3, 1_000_000);
+        assert_eq!(snap[&10].requests, 0);
+        assert_eq!(snap[&10].placed, 128);
+        w.heartbeat(&s, 1 + PLACED_HALF_LIFE_MS);
+        assert_eq!(
+            snapshot(&s, 2 + PLACED_HALF_LIFE_MS, 1_000_000)[&10].placed,
+            64
+        );
+        w.heartbeat(&s, 1 + 20 * PLACED_HALF_LIFE_MS);
+        assert!(snapshot(&s, 2 + 20 * PLACED_HALF_LIFE_MS, 1_000_000).is_empty());
     }
 
     #[test]
@@ -317,6 +378,7 @@ mod tests {
                 Load {
                     requests: 4,
                     work: 5,
+                    placed: 6,
                 },
             )],
         });

@@ -150,6 +150,10 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
                 + w.queue * c.waiting.max(0.0) as f64
                 + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
                 + c.lora.cost(w.lora)
+                // New content goes preferably where less new content went
+                // lately (sglang's "smallest tree" idea), in proportion to
+                // how much of the request is new there.
+                + w.spread * c.load.placed as f64 * blocks.saturating_sub(credit) as f64 / blocks.max(1) as f64
         })
         .collect();
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -223,7 +227,11 @@ mod tests {
         Candidate {
             id,
             matched,
-            load: Load { requests, work },
+            load: Load {
+                requests,
+                work,
+                placed: 0,
+            },
             waiting: 0.0,
             kv_usage: 0.0,
             lora: LoraFit::NotApplicable,

@@ -47,7 +47,8 @@ def test_groups_stick_to_one_replica_and_spread_over_the_pool():
             assert "reason=prefix_hit" in headers["x-prefix-router-debug"], headers
         for g, served in by_group.items():
             assert served == Counter({home[g]: 9}), (g, home[g], served)
-        assert len(set(home.values())) == 4, f"groups did not spread: {Counter(home.values())}"
+        spread = Counter(home.values())
+        assert len(spread) == 4 and all(4 <= n <= 6 for n in spread.values()), spread
         # All 4 workers took part, so the index really was shared.
         stats = envoy.stats()
         workers = [v for k, v in stats.items() if ".worker_" in k and k.endswith("downstream_cx_total")]
@@ -64,15 +65,18 @@ def test_a_hot_prefix_spills_to_a_second_replica_not_a_third():
             return request(
                 envoy.port,
                 body=completion(hot + f" question {i}?"),
-                headers=[("x-test-delay-ms", "3000")],
+                headers=[("x-test-delay-ms", "5000")],
                 timeout=20,
             )
 
-        ex = ThreadPoolExecutor(10)
+        # 24 requests held in flight: the holder takes about a dozen before
+        # bounded load (3x the mean + slack) spills it; the second holder
+        # then shares; a third copy would cost more than the queue.
+        ex = ThreadPoolExecutor(24)
         futures = []
-        for i in range(10):
+        for i in range(24):
             futures.append(ex.submit(send, i))
-            time.sleep(0.1)  # each decision sees the previous ones in flight
+            time.sleep(0.08)  # each decision sees the previous ones in flight
         served = Counter()
         for f in futures:
             status, headers, _ = f.result()

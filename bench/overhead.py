@@ -1,0 +1,160 @@
+"""What the router itself costs: latency added and proxy CPU per request.
+
+Same instant backend (`overhead echo`), same chat bodies (16 KiB and 256 KiB,
+64 distinct documents), closed loop at concurrency 1 and 16, side by side in
+one run: direct to the backend, Envoy without the filter, Envoy with
+prefix-router, and sglang-router (`smg launch --policy cache_aware`) when
+installed. Envoy runs with --concurrency 2. Each cell is the median of
+`--reps` runs; proxy CPU comes from /proc/<pid>/stat (user + system, all
+threads) over the run.
+
+    scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+import harness  # noqa: E402
+import orchestrate  # noqa: E402
+
+TOOL = ROOT / "target" / "release" / "overhead"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+@contextlib.contextmanager
+def echo_backend():
+    port = harness.free_port()
+    proc = subprocess.Popen([str(TOOL), "echo", "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if "listening" not in line:
+            raise RuntimeError(f"echo backend did not start: {line!r}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def proxy(kind: str, backend: str):
+    """Yields (target host:port, pid of the proxy or None)."""
+    if kind == "direct":
+        yield backend, None
+        return
+    if kind == "prefix-router":
+        # Scraping off: the echo backend has no metrics page.
+        cfg = harness.render_config(
+            "override_host", {"endpoints": [backend]}, [backend], harness.free_port(), harness.free_port()
+        )
+        with harness.Envoy(cfg, concurrency=2) as env:
+            yield f"127.0.0.1:{env.port}", env.proc.pid
+        return
+    router = orchestrate.Router(kind, [backend], 2, 1)
+    why = router.unavailable()
+    if why:
+        raise LookupError(why)
+    with router:
+        pid = router.envoys[0].proc.pid if router.envoys else router.proc.pid
+        yield router.targets[0], pid
+
+
+def run_load(target: str, concurrency: int, size: int, seconds: float) -> dict:
+    out = subprocess.run(
+        [str(TOOL), "load", "--target", f"http://{target}/v1/chat/completions",
+         "--concurrency", str(concurrency), "--body-bytes", str(size), "--seconds", str(seconds),
+         "--reconnect-every", "50"],
+        capture_output=True, text=True, timeout=seconds + 60, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sizes", default="16384,262144")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--routers", default="direct,round-robin,prefix-router,sglang-router")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    concs = [int(c) for c in a.concurrency.split(",")]
+    kinds = a.routers.split(",")
+    results = []
+    with echo_backend() as backend:
+        for kind in kinds:
+            try:
+                ctx = proxy(kind, backend)
+                target, pid = ctx.__enter__()
+            except LookupError as e:
+                print(f"overhead: skipping {kind}: {e}", file=sys.stderr)
+                continue
+            try:
+                run_load(target, 4, sizes[0], 1.0)  # warm-up
+                for size in sizes:
+                    for conc in concs:
+                        reps = []
+                        for _ in range(a.reps):
+                            c0 = cpu_seconds(pid) if pid else 0.0
+                            r = run_load(target, conc, size, a.seconds)
+                            r["proxy_cpu_us_per_req"] = (
+                                (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
+                            )
+                            reps.append(r)
+                        med = {k: statistics.median(x[k] for x in reps)
+                               for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
+                        med.update(router=kind, size=size, concurrency=conc,
+                                   errors=sum(x["errors"] for x in reps), reps=len(reps))
+                        results.append(med)
+                        print(f"{kind:14} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
+                              f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
+                              f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
+            finally:
+                ctx.__exit__(None, None, None)
+    report = table(results)
+    print(report)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "overhead.json").write_text(json.dumps(results, indent=1))
+        (a.out / "overhead.md").write_text(report)
+    return 0
+
+
+def table(results: list[dict]) -> str:
+    by = {(r["router"], r["size"], r["concurrency"]): r for r in results}
+    lines = [
+        "| router | body | conc | p50 µs | p99 µs | added p50 vs Envoy µs | req/s | proxy CPU µs/req | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        base = by.get(("round-robin", r["size"], r["concurrency"]))
+        added = "" if not base or r["router"] in ("direct", "round-robin") else f"{r['p50_us'] - base['p50_us']:+.0f}"
+        cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
+        lines.append(
+            f"| {r['router']} | {r['size'] // 1024} KiB | {r['concurrency']} | {r['p50_us']:.0f} | "
+            f"{r['p99_us']:.0f} | {added} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

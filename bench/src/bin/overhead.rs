@@ -1,0 +1,267 @@
+//! Proxy overhead micro-benchmark tools (driven by `bench/overhead.py`):
+//!
+//! - `overhead echo --port P`: an instant OpenAI-ish backend (answers every
+//!   request with a tiny completion, no model, no delay), so what is measured
+//!   is the proxy in between;
+//! - `overhead load --target URL --concurrency C --body-bytes N --seconds S`:
+//!   closed loop, keep-alive, fixed-size chat bodies over 64 distinct
+//!   documents; prints one JSON line: requests, errors, req/s, latency
+//!   percentiles in microseconds.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use http_body_util::{BodyExt, Full};
+use hyper::server::conn::http1 as server_http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+
+#[derive(Parser)]
+#[command(about = "proxy overhead benchmark tools")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Instant backend on 127.0.0.1:PORT.
+    Echo {
+        #[arg(long)]
+        port: u16,
+    },
+    /// Closed-loop load against TARGET (http://host:port/path).
+    Load {
+        #[arg(long)]
+        target: String,
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 16384)]
+        body_bytes: usize,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Requests per connection before it is replaced (spreads load over
+        /// Envoy's workers; 0 = keep forever).
+        #[arg(long, default_value_t = 0)]
+        reconnect_every: usize,
+    },
+}
+
+const ANSWER: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+
+async fn echo(port: u16) -> Result<(), String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("bind {addr}: {e}"))?;
+    println!("overhead echo listening on {addr}");
+    loop {
+        let (stream, _) = listener.accept().await.map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(async move {
+            let svc = service_fn(|req: Request<hyper::body::Incoming>| async move {
+                // Read the whole body, as a model server would.
+                let _ = req.into_body().collect().await;
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .header("content-type", "application/json")
+                        .body(Full::new(Bytes::from_static(ANSWER.as_bytes())))
+                        .unwrap_or_default(),
+                )
+            });
+            let _ = server_http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// 64 distinct chat bodies of about `bytes` bytes each.
+fn bodies(bytes: usize) -> Vec<Bytes> {
+    (0..64)
+        .map(|d| {
+            let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
+                .chars()
+                .cycle()
+                .take(bytes.saturating_sub(200))
+                .collect();
+            Bytes::from(format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"Answer from the document."}},{{"role":"user","content":"{doc} Question?"}}],"max_tokens":1}}"#
+            ))
+        })
+        .collect()
+}
+
+struct Target {
+    addr: String,
+    path: String,
+}
+
+fn parse_target(url: &str) -> Result<Target, String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or("target must start with http://")?;
+    let (addr, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    Ok(Target {
+        addr: addr.to_string(),
+        path: path.to_string(),
+    })
+}
+
+async fn client(
+    t: Arc<Target>,
+    bodies: Arc<Vec<Bytes>>,
+    seed: usize,
+    stop: Arc<AtomicBool>,
+    reconnect_every: usize,
+) -> (Vec<u32>, u64) {
+    let mut lat = Vec::new();
+    let mut errors = 0u64;
+    let mut i = seed;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(stream) = TcpStream::connect(&t.addr).await else {
+            errors += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let Ok((mut send, conn)) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
+        else {
+            errors += 1;
+            continue;
+        };
+        tokio::spawn(conn);
+        let mut on_conn = 0;
+        while !stop.load(Ordering::Relaxed) && (reconnect_every == 0 || on_conn < reconnect_every) {
+            let body = bodies[i % bodies.len()].clone();
+            i += 7;
+            on_conn += 1;
+            let req = Request::post(t.path.as_str())
+                .header("host", t.addr.as_str())
+                .header("content-type", "application/json")
+                .body(Full::new(body));
+            let Ok(req) = req else {
+                errors += 1;
+                break;
+            };
+            let t0 = Instant::now();
+            match send.send_request(req).await {
+                Ok(resp) => {
+                    let ok = resp.status().is_success();
+                    let _ = resp.into_body().collect().await;
+                    if ok {
+                        lat.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    } else {
+                        errors += 1;
+                    }
+                }
+                Err(_) => {
+                    errors += 1;
+                    break;
+                }
+            }
+        }
+    }
+    (lat, errors)
+}
+
+fn pct(sorted: &[u32], p: f64) -> u32 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+async fn load(
+    target: &str,
+    concurrency: usize,
+    body_bytes: usize,
+    seconds: f64,
+    reconnect_every: usize,
+) -> Result<(), String> {
+    let t = Arc::new(parse_target(target)?);
+    let b = Arc::new(bodies(body_bytes));
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..concurrency.max(1))
+        .map(|k| {
+            tokio::spawn(client(
+                t.clone(),
+                b.clone(),
+                k,
+                stop.clone(),
+                reconnect_every,
+            ))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs_f64(seconds.clamp(0.1, 3600.0))).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut lat = Vec::new();
+    let mut errors = 0;
+    for task in tasks {
+        if let Ok((l, e)) = task.await {
+            lat.extend(l);
+            errors += e;
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    lat.sort_unstable();
+    let out = serde_json::json!({
+        "requests": lat.len(),
+        "errors": errors,
+        "seconds": wall,
+        "rps": lat.len() as f64 / wall,
+        "p50_us": pct(&lat, 0.50),
+        "p90_us": pct(&lat, 0.90),
+        "p99_us": pct(&lat, 0.99),
+        "body_bytes": b.first().map(|x| x.len()).unwrap_or(0),
+    });
+    println!("{out}");
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("overhead: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let r = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Echo { port } => echo(port).await,
+            Cmd::Load {
+                target,
+                concurrency,
+                body_bytes,
+                seconds,
+                reconnect_every,
+            } => load(&target, concurrency, body_bytes, seconds, reconnect_every).await,
+        }
+    });
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("overhead: {e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
