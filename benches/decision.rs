@@ -69,4 +69,28 @@ criterion_group! {
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
     targets = decision
 }
-criterion_main!(benches);
+
+/// The parts of a decision, to see what dominates.
+fn parts(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parts");
+    let r = router(8);
+    for &size in &[16 << 10, 256 << 10] {
+        let b = body(size);
+        let cap = r.config.block_bytes * r.config.max_blocks;
+        g.bench_with_input(BenchmarkId::new("extract", size), &b, |bench, b| {
+            bench.iter(|| request::extract(b.as_bytes(), cap).expect("body"))
+        });
+        let p = request::extract(b.as_bytes(), cap).expect("body");
+        g.bench_with_input(BenchmarkId::new("hash", size), &p, |bench, p| {
+            bench.iter(|| Hashed::of(p, &r.config))
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = part_benches;
+    config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
+    targets = parts
+}
+criterion_main!(benches, part_benches);

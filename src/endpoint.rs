@@ -6,8 +6,8 @@ use std::str::FromStr;
 
 use thiserror::Error;
 
-/// A replica's stable identity inside shared-data records: a 64-bit FNV-1a
-/// of the canonical `ip:port` text. Records carry ids rather than strings so
+/// A replica's stable identity inside shared-data records: xxh3-64 of the
+/// canonical `ip:port` text. Records carry ids rather than strings so
 /// they stay small and fixed-width; config loading rejects a colliding set.
 pub type ReplicaId = u64;
 
@@ -79,10 +79,7 @@ impl fmt::Display for Endpoint {
 }
 
 pub fn replica_id(canonical: &str) -> ReplicaId {
-    use std::hash::Hasher;
-    let mut h = fnv::FnvHasher::default();
-    h.write(canonical.as_bytes());
-    h.finish()
+    xxhash_rust::xxh3::xxh3_64(canonical.as_bytes())
 }
 
 #[cfg(test)]
@@ -124,7 +121,7 @@ mod tests {
 
     #[test]
     fn id_is_a_stable_golden_value() {
-        // FNV-1a 64 of the canonical text; same on wasm32 and x86_64.
-        assert_eq!(replica_id("10.0.0.1:8000"), 10089583200591212301);
+        // xxh3-64 of the canonical text; same on wasm32 and x86_64.
+        assert_eq!(replica_id("10.0.0.1:8000"), 12762026736958320935);
     }
 }

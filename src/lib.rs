@@ -18,6 +18,7 @@ pub mod discovery;
 pub mod endpoint;
 #[doc(hidden)]
 pub mod fuzz;
+pub mod headers;
 pub mod index;
 pub mod load;
 pub mod metrics;

@@ -4,27 +4,27 @@
 //! whole prefix up to and including its block, so "replica R holds block i"
 //! means R saw exactly this prefix. The seed carries the model (and cache
 //! salt): the same text sent to two models shares no cache on the server.
-//! H is FNV-1a 64 continued from the previous hash: cheap, allocation-free,
-//! identical on wasm32 and x86_64 (it only reads bytes).
+//! H is xxh3-64 of the block seeded with the previous hash: fast (a 16 KiB
+//! window hashes in about a microsecond), allocation-free, and identical on
+//! wasm32 and x86_64 (it only reads bytes, little-endian).
 
-use std::hash::Hasher;
-
-use fnv::FnvHasher;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Versioned so that a format change can't silently alias old index entries.
-const SEED_TAG: &[u8] = b"prefix-router/v1";
+const SEED_TAG: &[u8] = b"prefix-router/v2";
 
 pub fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
-    let mut h = FnvHasher::default();
-    h.write(SEED_TAG);
-    h.write(&[0]);
-    h.write(model.as_bytes());
-    h.write(&[0]);
+    let mut buf =
+        Vec::with_capacity(SEED_TAG.len() + model.len() + 4 + cache_salt.map_or(0, str::len));
+    buf.extend_from_slice(SEED_TAG);
+    buf.push(0);
+    buf.extend_from_slice(model.as_bytes());
+    buf.push(0);
     if let Some(s) = cache_salt {
-        h.write(&[1]);
-        h.write(s.as_bytes());
+        buf.push(1);
+        buf.extend_from_slice(s.as_bytes());
     }
-    h.finish()
+    xxh3_64(&buf)
 }
 
 /// Hashes of the full `block_bytes` blocks of `text`, at most `max_blocks`.
@@ -37,9 +37,7 @@ pub fn block_hashes(seed: u64, text: &[u8], block_bytes: usize, max_blocks: usiz
     let mut out = Vec::with_capacity(n);
     let mut prev = seed;
     for block in text.chunks_exact(block_bytes).take(n) {
-        let mut h = FnvHasher::with_key(prev);
-        h.write(block);
-        prev = h.finish();
+        prev = xxh3_64_with_seed(block, prev);
         out.push(prev);
     }
     out
@@ -56,8 +54,8 @@ mod tests {
         assert_eq!(h.len(), 2, "only full blocks count");
         // Fixed values: a change here means every index entry in a running
         // fleet changes meaning. Bump SEED_TAG if that's intended.
-        assert_eq!(s, 1626616834744462289);
-        assert_eq!(h, vec![12969444086547046801, 9449444942593416785]);
+        assert_eq!(s, 2972115564684230692);
+        assert_eq!(h, vec![2904953859874108267, 16833073417953262646]);
     }
 
     #[test]

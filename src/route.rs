@@ -25,6 +25,9 @@ pub struct Router {
     /// Discovered-only replicas wait for their first good scrape.
     discovered_only: Vec<bool>,
     discovery_token: Option<u32>,
+    /// Load-slot count and when it was read: re-read once per tick, since
+    /// it only changes when a VM starts.
+    slots: std::cell::Cell<(u64, u32)>,
     index: PrefixIndex,
     params: ScoreParams,
     stale_ms: u64,
@@ -148,6 +151,7 @@ impl Router {
             endpoints: config.endpoints.clone(),
             discovered_only: vec![false; config.endpoints.len()],
             discovery_token: None,
+            slots: std::cell::Cell::new((0, 0)),
             index: PrefixIndex::new(config.index_capacity, config.index_stride),
             params,
             stale_ms,
@@ -190,6 +194,16 @@ impl Router {
         }
         self.endpoints = eps;
         self.discovered_only = only;
+    }
+
+    fn slot_count<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> u32 {
+        let (at, n) = self.slots.get();
+        if n > 0 && now_ms.saturating_sub(at) < self.config.tick_ms {
+            return n;
+        }
+        let n = load::slot_count(store);
+        self.slots.set((now_ms, n));
+        n
     }
 
     /// How many replicas are eligible now (for the operator's gauge).
@@ -236,7 +250,13 @@ impl Router {
         meta: Meta,
         now_ms: u64,
     ) -> Result<Choice, Reject> {
-        let table = Table::load(store);
+        // Only the scraper writes the table: without scraping or discovery
+        // it is empty, and the read can be skipped.
+        let table = if self.config.scrape.is_some() || self.config.discovery.is_some() {
+            Table::load(store)
+        } else {
+            Table::default()
+        };
         let health = self.health();
         let eligible: Vec<usize> = (0..self.endpoints.len())
             .filter(|&i| self.eligible(i, &table, &health, now_ms))
@@ -272,7 +292,7 @@ impl Router {
         } else {
             self.index.lookup(store, &hashed.blocks)
         };
-        let loads = load::snapshot(store, now_ms, self.stale_ms);
+        let loads = load::snapshot_of(store, self.slot_count(store, now_ms), now_ms, self.stale_ms);
         let adapter = meta
             .model
             .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
@@ -631,7 +651,7 @@ mod tests {
     fn saturation_sheds_only_sheddable_requests_and_no_replica_is_a_503() {
         use crate::metrics::ReplicaMetrics;
         use crate::replicas::record_scrape;
-        let r = router("");
+        let r = router(r#","cluster":"pool""#);
         let s = MemStore::new();
         let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
         let busy = ReplicaMetrics {
@@ -663,7 +683,7 @@ mod tests {
     #[test]
     fn unhealthy_replicas_are_never_picked() {
         use crate::replicas::record_scrape;
-        let r = router("");
+        let r = router(r#","cluster":"pool""#);
         let s = MemStore::new();
         let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
         for _ in 0..3 {

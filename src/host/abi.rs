@@ -31,6 +31,11 @@ extern "C" {
         name_size: usize,
         return_id: *mut u32,
     ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
     fn proxy_set_shared_data(
@@ -59,6 +64,21 @@ pub fn replace_header(map: MapType, name: &str, value: &str) -> Result<(), u32> 
     check(unsafe {
         proxy_replace_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
+}
+
+/// Every header of `map` as raw bytes (see `headers` for why not `String`).
+pub fn get_headers(map: MapType) -> crate::headers::Pairs {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a pointer to a buffer it allocated through
+    // the SDK's exported allocator (a leaked Vec<u8> of exactly `size`
+    // bytes), which we take ownership of once.
+    let status = unsafe { proxy_get_header_map_pairs(map, &mut data, &mut size) };
+    if status != OK || data.is_null() {
+        return Vec::new();
+    }
+    let buf = unsafe { Vec::from_raw_parts(data, size, size) };
+    crate::headers::parse(&buf)
 }
 
 pub fn remove_header(map: MapType, name: &str) -> Result<(), u32> {
@@ -103,24 +123,6 @@ extern "C" {
     ) -> u32;
 }
 
-/// The proxy-wasm header-map wire format: count, (key len, value len)
-/// pairs, then each key and value NUL-terminated.
-fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&(headers.len() as u32).to_le_bytes());
-    for (k, v) in headers {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in headers {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v.as_bytes());
-        out.push(0);
-    }
-    out
-}
-
 /// Answer the request from the filter (429/503) instead of forwarding it.
 pub fn send_local_response(
     status: u32,
@@ -128,7 +130,7 @@ pub fn send_local_response(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<(), u32> {
-    let h = serialize_headers(headers);
+    let h = crate::headers::serialize(headers);
     // SAFETY: all pointers come from live slices; the host copies them.
     check(unsafe {
         proxy_send_local_response(

@@ -13,6 +13,7 @@ use super::root::Worker;
 use super::shared::SharedData;
 use crate::config::{Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::ReplicaId;
+use crate::headers;
 use crate::request;
 use crate::route::{is_sheddable, Choice, Hashed, Meta, Reject};
 
@@ -24,6 +25,8 @@ pub struct Http {
     routed: Option<(ReplicaId, u64)>,
     debug: Option<String>,
     waiting_for_body: bool,
+    /// The priority header's value, read with the others in one host call.
+    priority: Option<String>,
 }
 
 impl Http {
@@ -33,13 +36,8 @@ impl Http {
             routed: None,
             debug: None,
             waiting_for_body: false,
+            priority: None,
         }
-    }
-
-    fn header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
     }
 
     /// Decide and write the header. `body` is the complete request body when
@@ -71,10 +69,9 @@ impl Http {
             None => Hashed::default(),
         };
         let now = super::now_ms();
-        let priority = self.header(&cfg.priority_header);
         let meta = Meta {
             model: model.as_deref(),
-            sheddable: priority.as_deref().is_some_and(is_sheddable),
+            sheddable: self.priority.as_deref().is_some_and(is_sheddable),
         };
         let choice = match w.router.decide(&SharedData, &hashed, meta, now) {
             Ok(c) => c,
@@ -175,10 +172,17 @@ impl Http {
             r.routed.inc();
             r.inflight.add(1);
         }
-        s.index_entries.add(rec.inserted as i64);
-        s.index_evictions.add(rec.evicted as i64);
-        s.index_cas_retries.add(rec.cas_retries as i64);
-        s.index_write_failures.add(rec.failed as i64);
+        // Zero increments are host calls for nothing: skip them.
+        for (m, v) in [
+            (s.index_entries, rec.inserted),
+            (s.index_evictions, rec.evicted),
+            (s.index_cas_retries, rec.cas_retries),
+            (s.index_write_failures, rec.failed),
+        ] {
+            if v > 0 {
+                m.add(v as i64);
+            }
+        }
     }
 
     fn body_limit(&self) -> usize {
@@ -194,30 +198,38 @@ impl Context for Http {}
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         // First, before anything can fail: a client never picks the upstream.
-        let name = self
-            .worker
-            .as_ref()
-            .map(|w| w.borrow().router.config.destination_header.clone())
-            .unwrap_or_else(|| DEFAULT_DESTINATION_HEADER.to_string());
-        if self.header(&name).is_some() {
-            if let Some(w) = &self.worker {
-                w.borrow().stats.client_destination_stripped.inc();
+        // All headers come in one host call, as bytes: a value that isn't
+        // UTF-8 must not be able to panic the VM.
+        let headers = abi::get_headers(MapType::HttpRequestHeaders);
+        let (name, priority_name) = match &self.worker {
+            Some(w) => {
+                let c = &w.borrow().router.config;
+                (c.destination_header.clone(), c.priority_header.clone())
             }
-        }
-        if abi::remove_header(MapType::HttpRequestHeaders, &name).is_err() {
-            log::warn!("prefix-router: could not strip `{name}`");
+            None => (DEFAULT_DESTINATION_HEADER.to_string(), String::new()),
+        };
+        // Strip even if the map couldn't be read (empty): removal is cheap
+        // insurance and the header is routing authority.
+        if headers.is_empty() || headers::get(&headers, &name).is_some() {
+            if !headers.is_empty() {
+                if let Some(w) = &self.worker {
+                    w.borrow().stats.client_destination_stripped.inc();
+                }
+            }
+            if abi::remove_header(MapType::HttpRequestHeaders, &name).is_err() {
+                log::warn!("prefix-router: could not strip `{name}`");
+            }
         }
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
+        self.priority = headers::get_str(&headers, &priority_name).map(str::to_string);
         let is_inference = {
             let w = worker.borrow();
-            let post = self
-                .header(":method")
+            let post = headers::get_str(&headers, ":method")
                 .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
-            post && self
-                .header(":path")
-                .is_some_and(|p| w.router.config.is_inference_path(&p))
+            post && headers::get_str(&headers, ":path")
+                .is_some_and(|p| w.router.config.is_inference_path(p))
         };
         if end_of_stream || !is_inference {
             return self.proceed(None);
