@@ -172,14 +172,32 @@ impl LoadBoard {
     /// Called on the timer: keeps the slot fresh while the VM lives.
     pub fn heartbeat<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
         if self.slot.is_some() || !self.local.is_empty() {
-            self.publish(store, now_ms);
+            self.publish_checked(store, now_ms);
         }
+    }
+
+    /// Per-request path: write our counts to our slot with one unconditional
+    /// write (we are its only writer). Whether a peer took the slot over is
+    /// checked on the timer (`heartbeat` -> `publish_checked`), which
+    /// bounds how long a stolen slot can be overwritten to one tick; the
+    /// thief notices too (its own checked write finds our id) and moves.
+    fn publish<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
+        let Some(slot) = self.slot else {
+            return self.publish_checked(store, now_ms);
+        };
+        self.decay(now_ms);
+        let record = encode(&Slot {
+            owner: self.owner,
+            heartbeat_ms: now_ms,
+            loads: self.local.iter().map(|(k, v)| (*k, *v)).collect(),
+        });
+        let _ = store.set(&slot_key(slot), &record, None);
     }
 
     /// Write our counts to our slot, claiming one first if needed. If a peer
     /// took our slot (we looked dead), claim another: our local counts are
     /// the truth and move with us.
-    fn publish<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
+    fn publish_checked<S: Store + ?Sized>(&mut self, store: &S, now_ms: u64) {
         self.decay(now_ms);
         for _ in 0..2 {
             let Some(slot) = self.slot.or_else(|| self.claim(store, now_ms)) else {

@@ -147,19 +147,25 @@ def test_in_flight_balancing_across_workers_and_draining():
     with slow, backends(3) as fast:
         pool = [slow.addr] + [b.addr for b in fast]
         with start("override_host", pool, concurrency=2) as envoy:
-            # Phase 1: a burst spreads one request per idle replica; the ones
-            # on the slow replica stay in flight.
+            # Phase 1: a burst, each request held 0.5 s by every replica so
+            # the in-flight counts build up: it spreads over all four; the
+            # ones on the slow replica stay in flight for 3 s more.
             held = []
 
             def fire(i):
-                return request(envoy.port, body=completion(f"burst {i}"), timeout=20)
+                return request(
+                    envoy.port,
+                    body=completion(f"burst {i}"),
+                    headers=[("x-test-delay-ms", "500")],
+                    timeout=20,
+                )
 
             ex = ThreadPoolExecutor(8)
             held = [ex.submit(fire, i) for i in range(8)]
             deadline = time.time() + 5
             while slow.count == 0 and time.time() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.5)
+            time.sleep(0.8)  # the fast replicas' held requests finish
             on_slow = slow.count
             assert on_slow >= 1
             gauge = f"replica.{slow.addr.replace('.', '_').replace(':', '_')}.inflight"
