@@ -231,3 +231,19 @@ def test_bad_configuration_is_refused_with_the_key_named(plugin, needle):
         log = envoy.log()
         assert code not in (None, 0), "envoy accepted a bad plugin config"
         assert needle in log, log[-3000:]
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-override-host.yaml"])
+def test_shipped_dev_configs_validate(name):
+    """The configs users copy pass `envoy --mode validate` as shipped (run
+    from the repository root, where their module path points)."""
+    import subprocess
+
+    from harness import ENVOY_DIR, ROOT, envoy_bin
+
+    r = subprocess.run(
+        [envoy_bin(), "--mode", "validate", "-c", str(ENVOY_DIR / name), "-l", "warning"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "OK" in r.stdout + r.stderr
