@@ -157,15 +157,11 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
         })
         .collect();
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    // Near-ties go to rendezvous hashing. For a prefix nobody holds, the
-    // band is wide (a quarter of its prefill cost): several Envoy
-    // instances, each seeing only its own traffic, then still agree on
-    // where a new prefix goes, instead of each prefilling its own copy.
-    let nobody_holds = cands.iter().all(|c| c.matched == 0);
-    let mut band = p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON);
-    if nobody_holds {
-        band = band.max(p.weights.prefix * blocks as f64 / 4.0);
-    }
+    // Near-ties (within one request's constant) go to rendezvous hashing.
+    // A wider band for new prefixes (so independent Envoy instances agree
+    // more often) was tried: it cost the even spread of groups over
+    // replicas and didn't measurably help two instances' hit rate.
+    let band = p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON);
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by(|&a, &b| {
         let tie_a = costs[a] - best < band;

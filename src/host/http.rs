@@ -51,23 +51,7 @@ impl Http {
         let w = &mut *guard;
         w.router.refresh(&SharedData);
         let cfg = &w.router.config;
-        let mut model = None;
-        let hashed = match body {
-            Some(b) => match request::extract(b, cfg.block_bytes * cfg.max_blocks) {
-                Ok(prompt) => {
-                    let h = Hashed::of(&prompt, cfg);
-                    model = Some(prompt.model);
-                    h
-                }
-                Err(e) => {
-                    // Debug level: a client sending junk must not flood logs.
-                    log::debug!("prefix-router: unparsable inference body: {e}");
-                    w.stats.parse_errors.inc();
-                    Hashed::default()
-                }
-            },
-            None => Hashed::default(),
-        };
+        let (hashed, model) = hash_body(w, body);
         let now = super::now_ms();
         let meta = Meta {
             model: model.as_deref(),
@@ -90,20 +74,7 @@ impl Http {
             // Deliberate, test-only: exercises Envoy's failure_policy.
             panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
         }
-        let choice = match cfg.mode {
-            Mode::Route => choice,
-            Mode::Shadow => {
-                let sh = w.router.shadow(choice, w.seq);
-                let s = &w.stats;
-                s.shadow_requests.inc();
-                s.shadow_matched.add(sh.ours_matched as i64);
-                s.shadow_baseline_matched.add(sh.routed.matched as i64);
-                if sh.routed.order.first() == Some(&sh.ours) {
-                    s.shadow_agree.inc();
-                }
-                sh.routed
-            }
-        };
+        let choice = apply_mode(w, choice);
         let Some(&first) = choice.order.first() else {
             return true;
         };
@@ -190,6 +161,42 @@ impl Http {
             .as_ref()
             .map(|w| w.borrow().router.config.max_body_bytes)
             .unwrap_or(0)
+    }
+}
+
+/// Parse and hash the body (none: nothing to hash). A body that doesn't
+/// parse is counted and routed on load alone.
+fn hash_body(w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
+    let cfg = &w.router.config;
+    let Some(b) = body else {
+        return (Hashed::default(), None);
+    };
+    match request::extract(b, cfg.block_bytes * cfg.max_blocks) {
+        Ok(prompt) => (Hashed::of(&prompt, cfg), Some(prompt.model)),
+        Err(e) => {
+            // Debug level: a client sending junk must not flood logs.
+            log::debug!("prefix-router: unparsable inference body: {e}");
+            w.stats.parse_errors.inc();
+            (Hashed::default(), None)
+        }
+    }
+}
+
+/// In shadow mode, swap in the baseline's pick and record both.
+fn apply_mode(w: &Worker, choice: Choice) -> Choice {
+    match w.router.config.mode {
+        Mode::Route => choice,
+        Mode::Shadow => {
+            let sh = w.router.shadow(choice, w.seq);
+            let s = &w.stats;
+            s.shadow_requests.inc();
+            s.shadow_matched.add(sh.ours_matched as i64);
+            s.shadow_baseline_matched.add(sh.routed.matched as i64);
+            if sh.routed.order.first() == Some(&sh.ours) {
+                s.shadow_agree.inc();
+            }
+            sh.routed
+        }
     }
 }
 
