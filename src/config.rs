@@ -617,6 +617,19 @@ mod tests {
     }
 
     #[test]
+    fn discovery_as_a_json_array_is_the_struct_in_order() {
+        // Found by fuzzing: serde accepts a struct as a sequence. The result
+        // is a valid discovery config (cluster, admin_cluster), not a crash.
+        let c = Config::parse(br#"{"discovery":["pool","admin"]}"#).unwrap();
+        let d = c.discovery.unwrap();
+        assert_eq!(
+            (d.cluster.as_str(), d.admin_cluster.as_str()),
+            ("pool", "admin")
+        );
+        assert!(c.endpoints.is_empty());
+    }
+
+    #[test]
     fn shadow_mode_keys() {
         let c = Config::parse(
             br#"{"endpoints":["10.0.0.1:1"],"mode":"shadow","shadow_baseline":"round_robin"}"#,
