@@ -257,6 +257,23 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
     return cfg
 
 
+def later_turns_ttft(doc: dict, time_scale: float) -> dict | None:
+    """TTFT percentiles (simulated ms) over turns 2+ of every conversation:
+    the first turn is a cold prefill for any router, so this is the part
+    routing decides."""
+    recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
+    seen, later = set(), []
+    for r in recs:
+        if r.get("key") in seen:
+            later.append(r["ttft_ms"] / time_scale)
+        seen.add(r.get("key"))
+    if not later:
+        return None
+    later.sort()
+    pick = lambda q: later[min(len(later) - 1, round((len(later) - 1) * q))]  # noqa: E731
+    return {"n": len(later), "mean": sum(later) / len(later), "p50": pick(0.5), "p95": pick(0.95)}
+
+
 class Router:
     """Starts one router (maybe several Envoy instances); `targets` are the
     host:port addresses the load generator uses."""
@@ -498,6 +515,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
         "router_cpu_s": router_cpu,
         "wall_s": wall,
         "filter_stats": fstats,
+        "ttft_later_turns_ms": later_turns_ttft(doc, prof["time_scale"]) if workload == "multi-turn" else None,
         "records_file": f"runs/{workload}--{kind}.json",
     })
     log(f"[{workload}] {kind}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "

@@ -87,6 +87,17 @@ def render(results: dict) -> str:
                 )
             )
         out.append("")
+        later = [(r["label"], r["ttft_later_turns_ms"]) for r in data.get("runs", [])
+                 if not r.get("skipped") and r.get("ttft_later_turns_ms")]
+        if later:
+            out.append("Turns 2 and later only (the first turn of a conversation is a cold prefill "
+                       "for every router; these are the requests routing decides):")
+            out.append("")
+            out.append("| router | requests | TTFT mean | TTFT p50 | TTFT p95 |")
+            out.append("|---|---:|---:|---:|---:|")
+            for label, t in later:
+                out.append(f"| {label} | {t['n']} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p95'])} |")
+            out.append("")
         if notes:
             out.append("<details><summary>run notes</summary>")
             out.append("")
