@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -314,6 +315,26 @@ class Envoy:
     def stat(self, suffix: str) -> int:
         """Sum of the stats whose name ends with `suffix`."""
         return sum(v for k, v in self.stats().items() if k.endswith(suffix))
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+
+
+def wait_until(pred, timeout: float = 10.0, step: float = 0.05) -> bool:
+    """Poll `pred` until it holds or `timeout` passes; its last answer."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def stat_label(addr: str) -> str:
+    """A replica address as the filter spells it in stat names, like
+    `Endpoint::stat_label` (127.0.0.1:8001 -> 127_0_0_1_8001)."""
+    return re.sub(r"[^A-Za-z0-9]", "_", addr).strip("_")
 
 
 # --------------------------------------------------------------------------

@@ -33,6 +33,8 @@ import pytest
 import yaml
 
 from harness import (
+    stat_label,
+    wait_until,
     HEADER,
     ROOT,
     WASM,
@@ -60,14 +62,6 @@ ISTIO_POOL_CLUSTER = "outbound|8000||vllm.default.svc.cluster.local"
 # --------------------------------------------------------------------------
 # Small helpers
 
-
-def wait_until(pred, timeout=10.0, step=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def validate(cfg: dict) -> tuple[int, str]:
@@ -108,12 +102,6 @@ def http_get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
         return resp.status, resp.read().decode(errors="replace")
     finally:
         conn.close()
-
-
-def stat_label(addr: str) -> str:
-    """The filter's per-replica stat label of an address (127.0.0.1:8001 ->
-    127_0_0_1_8001)."""
-    return re.sub(r"[^A-Za-z0-9]", "_", addr).strip("_")
 
 
 @contextlib.contextmanager

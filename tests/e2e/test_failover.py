@@ -16,13 +16,10 @@ from collections import Counter
 
 import pytest
 
-from harness import Backend, Envoy, backends, completion, free_port, render_config, request, vllm_metrics
+from harness import stat_label, Backend, Envoy, backends, completion, free_port, render_config, request, vllm_metrics
 
 INTERVAL_MS = 100
 
-
-def label(addr: str) -> str:
-    return addr.replace(".", "_").replace(":", "_")
 
 
 @pytest.mark.parametrize("mode", ["override_host", "original_dst"])
@@ -63,7 +60,7 @@ def test_replica_dies_and_returns_under_steady_load(mode):
                 threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
                 for t in threads:
                     t.start()
-                routed = lambda: envoy.stat(f"replica.{label(victim.addr)}.routed")  # noqa: E731
+                routed = lambda: envoy.stat(f"replica.{stat_label(victim.addr)}.routed")  # noqa: E731
                 time.sleep(kill_at)
                 victim.stop()
                 killed = time.time() - t0

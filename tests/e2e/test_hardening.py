@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
+    stat_label,
     HEADER,
     Backend,
     Envoy,
@@ -37,9 +38,6 @@ def start(pool, envoy_mode="override_host", concurrency=2, failure_policy=None, 
             wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
     return Envoy(cfg, concurrency=concurrency)
 
-
-def label(addr: str) -> str:
-    return addr.replace(".", "_").replace(":", "_")
 
 
 # ---------------------------------------------------------------- shadow mode

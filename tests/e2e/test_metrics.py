@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
+    wait_until,
     Backend,
     Envoy,
     backends,
@@ -35,14 +36,6 @@ def start(pool, mode="override_host", concurrency=4, **extra):
     cfg = render_config(mode, plugin, pool, free_port(), free_port())
     return Envoy(cfg, concurrency=concurrency)
 
-
-def wait_until(pred, timeout=5.0, step=0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 @pytest.mark.parametrize("mode", ["original_dst", "override_host"])
