@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import copy
 import json
 import os
 import shutil

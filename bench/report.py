@@ -76,7 +76,7 @@ def render(results: dict) -> str:
                 f"router {r.get('router_cpu_s', 0):.2f} CPU s"
                 + (f"; errors: {r['error_kinds']}" if r.get("error_kinds") else "")
                 + (
-                    f"; filter decisions: "
+                    "; filter decisions: "
                     + ", ".join(
                         f"{k.split('.', 1)[1]} {v}"
                         for k, v in sorted(r["filter_stats"].items())

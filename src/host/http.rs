@@ -49,7 +49,6 @@ impl Http {
         };
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
-        w.router.refresh(&SharedData);
         let cfg = &w.router.config;
         let (hashed, model) = hash_body(w, body);
         let now = super::now_ms();
@@ -71,7 +70,8 @@ impl Http {
         };
         w.seq += 1;
         if cfg.debug_trap_on_request == Some(w.seq) {
-            // Deliberate, test-only: exercises Envoy's failure_policy.
+            // ok: deliberate and test-only (debug_trap_on_request): it
+            // exercises Envoy's failure_policy.
             panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
         }
         let choice = apply_mode(w, choice);
@@ -156,6 +156,27 @@ impl Http {
         }
     }
 
+    /// Remove any client-sent destination header (all copies). Also when
+    /// the map couldn't be read (empty): removal is cheap insurance and the
+    /// header is routing authority.
+    fn strip_destination(&self, headers: &headers::Pairs) {
+        let w = self.worker.as_ref().map(|w| w.borrow());
+        let name = w.as_ref().map_or(DEFAULT_DESTINATION_HEADER, |w| {
+            w.router.config.destination_header.as_str()
+        });
+        if !headers.is_empty() && headers::get(headers, name).is_none() {
+            return;
+        }
+        if !headers.is_empty() {
+            if let Some(w) = &w {
+                w.stats.client_destination_stripped.inc();
+            }
+        }
+        if abi::remove_header(MapType::HttpRequestHeaders, name).is_err() {
+            log::warn!("prefix-router: could not strip `{name}`");
+        }
+    }
+
     fn body_limit(&self) -> usize {
         self.worker
             .as_ref()
@@ -208,35 +229,17 @@ impl HttpContext for Http {
         // All headers come in one host call, as bytes: a value that isn't
         // UTF-8 must not be able to panic the VM.
         let headers = abi::get_headers(MapType::HttpRequestHeaders);
-        let (name, priority_name) = match &self.worker {
-            Some(w) => {
-                let c = &w.borrow().router.config;
-                (c.destination_header.clone(), c.priority_header.clone())
-            }
-            None => (DEFAULT_DESTINATION_HEADER.to_string(), String::new()),
-        };
-        // Strip even if the map couldn't be read (empty): removal is cheap
-        // insurance and the header is routing authority.
-        if headers.is_empty() || headers::get(&headers, &name).is_some() {
-            if !headers.is_empty() {
-                if let Some(w) = &self.worker {
-                    w.borrow().stats.client_destination_stripped.inc();
-                }
-            }
-            if abi::remove_header(MapType::HttpRequestHeaders, &name).is_err() {
-                log::warn!("prefix-router: could not strip `{name}`");
-            }
-        }
+        self.strip_destination(&headers);
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
-        self.priority = headers::get_str(&headers, &priority_name).map(str::to_string);
         let is_inference = {
             let w = worker.borrow();
+            let cfg = &w.router.config;
+            self.priority = headers::get_str(&headers, &cfg.priority_header).map(str::to_string);
             let post = headers::get_str(&headers, ":method")
                 .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
-            post && headers::get_str(&headers, ":path")
-                .is_some_and(|p| w.router.config.is_inference_path(p))
+            post && headers::get_str(&headers, ":path").is_some_and(|p| cfg.is_inference_path(p))
         };
         if end_of_stream || !is_inference {
             return self.proceed(None);

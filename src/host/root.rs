@@ -115,6 +115,9 @@ impl RootContext for Root {
         {
             let mut w = w.borrow_mut();
             w.board.heartbeat(&SharedData, now);
+            // The only place the pool is refreshed: every HTTP context of
+            // this VM shares this router, and the tick is at most the
+            // discovery interval.
             w.router.refresh(&SharedData);
         }
         if let Some(s) = &mut self.scraper {

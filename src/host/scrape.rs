@@ -3,7 +3,7 @@
 //! header set (so Envoy reaches the right replica without a cluster each),
 //! and, with discovery on, read the pool's hosts from Envoy's admin.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -55,6 +55,9 @@ pub struct Scraper {
     /// Call token → what it fetches; one call per replica at a time, so a
     /// slow page never piles up calls.
     pending: HashMap<u32, Call>,
+    /// Replicas with a metrics call in `pending` (an index of it, so a
+    /// tick is O(replicas), not O(replicas x pending)).
+    busy: HashSet<ReplicaId>,
     gauges: HashMap<ReplicaId, ReplicaGauges>,
     eligible: Metric,
     takeovers: Metric,
@@ -71,6 +74,7 @@ impl Scraper {
             next_ms: 0,
             next_discovery_ms: 0,
             pending: HashMap::new(),
+            busy: HashSet::new(),
             gauges: HashMap::new(),
             eligible: g("eligible_replicas"),
             takeovers: c("scrape.lease_takeovers"),
@@ -124,11 +128,7 @@ impl Scraper {
         let Some(scrape) = &cfg.scrape else { return };
         self.publish_eligible(router, now_ms);
         for ep in router.endpoints() {
-            if self
-                .pending
-                .values()
-                .any(|c| matches!(c, Call::Metrics(e) if e.id() == ep.id()))
-            {
+            if self.busy.contains(&ep.id()) {
                 continue;
             }
             let dest = Some((cfg.destination_header.as_str(), ep.as_str()));
@@ -168,6 +168,9 @@ impl Scraper {
             Duration::from_millis(timeout_ms),
         ) {
             Ok(token) => {
+                if let Call::Metrics(e) = &call {
+                    self.busy.insert(e.id());
+                }
                 self.pending.insert(token, call);
                 true
             }
@@ -182,6 +185,9 @@ impl Scraper {
         let Some(call) = self.pending.remove(&token) else {
             return;
         };
+        if let Call::Metrics(e) = &call {
+            self.busy.remove(&e.id());
+        }
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
             .ok()
             .flatten();

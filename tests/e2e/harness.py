@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import re
 import signal
 import socket
@@ -224,6 +223,31 @@ def render_config(
             for a in pool
         ]
     return cfg
+
+
+def filter_envoy(
+    pool: list[str],
+    plugin: dict | None = None,
+    envoy_mode: str = "override_host",
+    concurrency: int = 2,
+    buffer_limit: int | None = None,
+    failure_policy: str | None = None,
+) -> "Envoy":
+    """Envoy with prefix-router in front of `pool`, on free ports. The
+    plugin config is `{"endpoints": pool, **plugin}`; ORIGINAL_DST gets
+    `max_fallbacks: 0` unless set (it takes one address only)."""
+    plugin = {"endpoints": pool, **(plugin or {})}
+    if envoy_mode == "original_dst":
+        plugin.setdefault("max_fallbacks", 0)
+    cfg = render_config(envoy_mode, plugin, pool, free_port(), free_port(), buffer_limit=buffer_limit)
+    if failure_policy:
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        wasm = hcm["http_filters"][0]["typed_config"]["config"]
+        wasm["failure_policy"] = failure_policy
+        if failure_policy == "FAIL_RELOAD":
+            # Reload quickly for tests (the default backoff is 1 s).
+            wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
+    return Envoy(cfg, concurrency=concurrency)
 
 
 class Envoy:

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from harness import stat_label, Backend, Envoy, backends, completion, free_port, render_config, request, vllm_metrics
+from harness import Backend, backends, completion, filter_envoy, request, stat_label, vllm_metrics
 
 INTERVAL_MS = 100
 
@@ -33,14 +33,12 @@ def test_replica_dies_and_returns_under_steady_load(mode):
         try:
             pool = [b.addr for b in bs] + [victim.addr]
             plugin = {
-                "endpoints": pool,
                 "cluster": "pool",
                 "scrape_interval_ms": INTERVAL_MS,
                 "scrape_timeout_ms": 200,
                 "max_fallbacks": 1 if mode == "override_host" else 0,
             }
-            cfg = render_config(mode, plugin, pool, free_port(), free_port())
-            with Envoy(cfg, concurrency=2) as envoy:
+            with filter_envoy(pool, plugin, mode) as envoy:
                 time.sleep(0.5)
                 results: list[tuple[float, int]] = []
                 lock = threading.Lock()

@@ -10,12 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
-    HEADER,
+    stat_label,
     Backend,
     Envoy,
+    HEADER,
     backends,
     chat,
     completion,
+    filter_envoy,
     free_port,
     render_config,
     request,
@@ -24,14 +26,8 @@ from harness import (
 MODES = ["original_dst", "override_host"]
 
 
-def start(mode, pool, plugin_extra=None, concurrency=2, buffer_limit=None, pool_cluster=None):
-    plugin = {"endpoints": pool, **(plugin_extra or {})}
-    if mode == "original_dst":
-        plugin.setdefault("max_fallbacks", 0)
-    cfg = render_config(
-        mode, plugin, pool_cluster or pool, free_port(), free_port(), buffer_limit=buffer_limit
-    )
-    return Envoy(cfg, concurrency=concurrency)
+def start(mode, pool, concurrency=2, buffer_limit=None):
+    return filter_envoy(pool, envoy_mode=mode, concurrency=concurrency, buffer_limit=buffer_limit)
 
 
 def bodies():
@@ -168,7 +164,7 @@ def test_in_flight_balancing_across_workers_and_draining():
             time.sleep(0.8)  # the fast replicas' held requests finish
             on_slow = slow.count
             assert on_slow >= 1
-            gauge = f"replica.{slow.addr.replace('.', '_').replace(':', '_')}.inflight"
+            gauge = f"replica.{stat_label(slow.addr)}.inflight"
             assert envoy.stat(gauge) == on_slow
             # Phase 2: while those hang, new requests (fresh connections, both
             # workers) avoid the slow replica.

@@ -12,31 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
-    stat_label,
-    HEADER,
     Backend,
-    Envoy,
+    HEADER,
     backends,
     completion,
-    free_port,
-    render_config,
+    filter_envoy,
     request,
 )
 
 
-def start(pool, envoy_mode="override_host", concurrency=2, failure_policy=None, buffer_limit=None, **extra):
-    plugin = {"endpoints": pool, **extra}
-    if envoy_mode == "original_dst":
-        plugin.setdefault("max_fallbacks", 0)
-    cfg = render_config(envoy_mode, plugin, pool, free_port(), free_port(), buffer_limit=buffer_limit)
-    if failure_policy:
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        wasm = hcm["http_filters"][0]["typed_config"]["config"]
-        wasm["failure_policy"] = failure_policy
-        if failure_policy == "FAIL_RELOAD":
-            # Reload quickly for the test (the default backoff is 1 s).
-            wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
-    return Envoy(cfg, concurrency=concurrency)
+def start(pool, envoy_mode="override_host", concurrency=2, failure_policy=None, buffer_limit=None, **plugin):
+    return filter_envoy(pool, plugin, envoy_mode, concurrency, buffer_limit, failure_policy)
 
 
 

@@ -11,15 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
-    wait_until,
+    stat_label,
     Backend,
-    Envoy,
     backends,
     completion,
-    free_port,
-    render_config,
+    filter_envoy,
     request,
     vllm_metrics,
+    wait_until,
 )
 
 INTERVAL_MS = 100
@@ -27,14 +26,12 @@ INTERVAL_MS = 100
 
 def start(pool, mode="override_host", concurrency=4, **extra):
     plugin = {
-        "endpoints": pool,
         "cluster": "pool",
         "scrape_interval_ms": INTERVAL_MS,
         "max_fallbacks": 1 if mode == "override_host" else 0,
         **extra,
     }
-    cfg = render_config(mode, plugin, pool, free_port(), free_port())
-    return Envoy(cfg, concurrency=concurrency)
+    return filter_envoy(pool, plugin, mode, concurrency)
 
 
 
@@ -48,7 +45,7 @@ def test_one_scraper_per_process_about_once_per_interval(mode):
         # 2 s / 100 ms = 20 per replica; 5 VMs scraping would be ~100.
         assert all(12 <= h <= 30 for h in hits), hits
         assert envoy.stat("prefix_router.eligible_replicas") == 3
-        assert all(envoy.stat(f"{b.addr.replace('.', '_').replace(':', '_')}.scrapes_ok") > 10 for b in bs)
+        assert all(envoy.stat(f"{stat_label(b.addr)}.scrapes_ok") > 10 for b in bs)
 
 
 def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
@@ -62,7 +59,7 @@ def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
                 assert status == 200
                 served[headers["x-served-by"]] += 1
             assert served[str(bs[0].port)] == 0, served
-            assert envoy.stat(f"{bs[0].addr.replace('.', '_').replace(':', '_')}.waiting") == 40
+            assert envoy.stat(f"{stat_label(bs[0].addr)}.waiting") == 40
 
 
 def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
@@ -74,7 +71,7 @@ def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
             pool = [b.addr for b in bs] + [victim.addr]
             with start(pool) as envoy:
                 time.sleep(0.5)
-                label = victim.addr.replace(".", "_").replace(":", "_")
+                label = stat_label(victim.addr)
                 routed = lambda: envoy.stat(f"replica.{label}.routed")  # noqa: E731
                 statuses = Counter()
 
@@ -169,8 +166,8 @@ def test_hostile_metrics_pages_do_not_crash_or_stall_the_filter(page):
             served = Counter(r[1]["x-served-by"] for r in results)
             # The bad replica is out after its failed scrapes.
             assert served == Counter({str(bs[1].port): 20}), served
-            label = bs[0].addr.replace(".", "_").replace(":", "_")
+            label = stat_label(bs[0].addr)
             assert envoy.stat(f"{label}.scrapes_failed") >= 3
             assert envoy.stat("wasm.prefix-router.vm_reload_success") == 0
             # The good replica kept being scraped on time.
-            assert envoy.stat(f"{bs[1].addr.replace('.', '_').replace(':', '_')}.scrapes_ok") >= 8
+            assert envoy.stat(f"{stat_label(bs[1].addr)}.scrapes_ok") >= 8

@@ -7,13 +7,16 @@ import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import Envoy, backends, chat, completion, free_port, render_config, request
-
+from harness import (
+    backends,
+    chat,
+    completion,
+    filter_envoy,
+    request,
+)
 
 def start(pool, concurrency=4, **extra):
-    plugin = {"endpoints": pool, "debug_header": True, **extra}
-    cfg = render_config("override_host", plugin, pool, free_port(), free_port())
-    return Envoy(cfg, concurrency=concurrency)
+    return filter_envoy(pool, {"debug_header": True, **extra}, concurrency=concurrency)
 
 
 def doc(group: int) -> str:
