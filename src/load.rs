@@ -278,17 +278,7 @@ pub fn snapshot<S: Store + ?Sized>(
     now_ms: u64,
     stale_ms: u64,
 ) -> HashMap<ReplicaId, Load> {
-    snapshot_of(store, slot_count(store), now_ms, stale_ms)
-}
-
-/// `snapshot` over the first `slots` slots (a caller may cache the count:
-/// it only grows, by one per new VM).
-pub fn snapshot_of<S: Store + ?Sized>(
-    store: &S,
-    slots: u32,
-    now_ms: u64,
-    stale_ms: u64,
-) -> HashMap<ReplicaId, Load> {
+    let slots = slot_count(store);
     let mut out: HashMap<ReplicaId, Load> = HashMap::new();
     for i in 0..slots.min(MAX_SLOTS) {
         let Some(slot) = store.get(&slot_key(i)).0.as_deref().and_then(decode) else {

@@ -25,9 +25,6 @@ pub struct Router {
     /// Discovered-only replicas wait for their first good scrape.
     discovered_only: Vec<bool>,
     discovery_token: Option<u32>,
-    /// Load-slot count and when it was read: re-read once per tick, since
-    /// it only changes when a VM starts.
-    slots: std::cell::Cell<(u64, u32)>,
     index: PrefixIndex,
     params: ScoreParams,
     stale_ms: u64,
@@ -151,7 +148,6 @@ impl Router {
             endpoints: config.endpoints.clone(),
             discovered_only: vec![false; config.endpoints.len()],
             discovery_token: None,
-            slots: std::cell::Cell::new((0, 0)),
             index: PrefixIndex::new(config.index_capacity, config.index_stride),
             params,
             stale_ms,
@@ -194,16 +190,6 @@ impl Router {
         }
         self.endpoints = eps;
         self.discovered_only = only;
-    }
-
-    fn slot_count<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> u32 {
-        let (at, n) = self.slots.get();
-        if n > 0 && now_ms.saturating_sub(at) < self.config.tick_ms {
-            return n;
-        }
-        let n = load::slot_count(store);
-        self.slots.set((now_ms, n));
-        n
     }
 
     /// How many replicas are eligible now (for the operator's gauge).
@@ -292,7 +278,10 @@ impl Router {
         } else {
             self.index.lookup(store, &hashed.blocks)
         };
-        let loads = load::snapshot_of(store, self.slot_count(store, now_ms), now_ms, self.stale_ms);
+        // The slot count is read every time (one host call): caching it
+        // hid a just-started worker's slot, and its placements, from the
+        // others for a tick.
+        let loads = load::snapshot(store, now_ms, self.stale_ms);
         let adapter = meta
             .model
             .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
