@@ -22,6 +22,7 @@ use tokio_stream::StreamExt;
 use crate::engine::{Event, Submission};
 use crate::fault::{Fault, Mode};
 use crate::hash::chain_hashes;
+use crate::metrics_fault::{self, MetricsFault};
 use crate::openai::{self, Kind, Meta, Prepared};
 use crate::replica::Replica;
 
@@ -44,6 +45,10 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset", post(reset))
         .route("/admin/fault", post(set_fault).get(get_fault))
+        .route(
+            "/admin/metrics-fault",
+            post(set_metrics_fault).get(get_metrics_fault),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn_with_state(replica.clone(), guard))
@@ -51,8 +56,10 @@ pub fn router(replica: Arc<Replica>) -> Router {
 }
 
 /// Applies the fault mode and stamps `x-served-by` on every response.
+/// The admin fault endpoints are always answered, so a fault can be lifted.
 async fn guard(State(r): Shared, req: Request, next: Next) -> Response {
-    let mut resp = if req.uri().path() == "/admin/fault" {
+    let admin = matches!(req.uri().path(), "/admin/fault" | "/admin/metrics-fault");
+    let mut resp = if admin {
         next.run(req).await
     } else {
         gated(&r, req, next).await
@@ -365,9 +372,12 @@ async fn health() -> StatusCode {
     StatusCode::OK
 }
 
+/// The page, as the replica's metrics fault (normally `ok`) shapes it.
 async fn metrics(State(r): Shared) -> Response {
-    let ct = "text/plain; version=0.0.4; charset=utf-8";
-    ([(header::CONTENT_TYPE, ct)], r.metrics.render()).into_response()
+    // Subscribe before reading, so a stall sees any later change.
+    let mut changes = r.metrics_fault.subscribe();
+    let fault = changes.borrow_and_update().clone();
+    metrics_fault::respond(&fault, &r.metrics, changes)
 }
 
 async fn reset(State(r): Shared) -> Answer {
@@ -389,6 +399,22 @@ async fn set_fault(State(r): Shared, body: RawBody) -> Answer {
 
 async fn get_fault(State(r): Shared) -> Response {
     Json(*r.fault.borrow()).into_response()
+}
+
+async fn set_metrics_fault(State(r): Shared, body: RawBody) -> Answer {
+    let f: MetricsFault = serde_json::from_slice(&read_body(body)?).map_err(|e| {
+        bad_request(format!(
+            "invalid metrics fault: {e}; expected {{\"mode\":\"ok\"|\"reset\"|\"stall\"|\"huge\"|\"absurd\"|\"error\"|\"garbage\",\"bytes\":N,\"stall_ms\":N,\"values\":{{\"NAME\":V}}}}"
+        ))
+    })?;
+    f.validate()
+        .map_err(|e| bad_request(format!("invalid metrics fault: {e}")))?;
+    r.metrics_fault.send_replace(f.clone());
+    Ok(Json(f).into_response())
+}
+
+async fn get_metrics_fault(State(r): Shared) -> Response {
+    Json(r.metrics_fault.borrow().clone()).into_response()
 }
 
 async fn not_found() -> ApiError {

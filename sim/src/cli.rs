@@ -2,6 +2,7 @@
 
 use clap::Parser;
 
+use crate::metrics_fault::{MetricsFault, ScrapeMode, DEFAULT_HUGE_BYTES, DEFAULT_STALL_MS};
 use crate::preset::{EngineConfig, Preset};
 
 #[derive(Parser, Debug, Clone)]
@@ -72,6 +73,20 @@ pub struct Cli {
     /// token.
     #[arg(long, default_value_t = 0)]
     pub slow_ms: u64,
+    /// Start with this `/metrics` fault (switchable later through
+    /// `/admin/metrics-fault`).
+    #[arg(long, value_enum, default_value_t = ScrapeMode::Ok)]
+    pub metrics_fault: ScrapeMode,
+    /// Replica indices (0-based, comma-separated) that start with
+    /// --metrics-fault; the others start `ok`. Default: all replicas.
+    #[arg(long, value_delimiter = ',')]
+    pub metrics_fault_replicas: Vec<u16>,
+    /// Size in bytes of the page in --metrics-fault huge.
+    #[arg(long, default_value_t = DEFAULT_HUGE_BYTES)]
+    pub metrics_huge_bytes: u64,
+    /// Upper bound (ms) of a stalled page in --metrics-fault stall.
+    #[arg(long, default_value_t = DEFAULT_STALL_MS)]
+    pub metrics_stall_ms: u64,
 }
 
 impl Cli {
@@ -100,6 +115,38 @@ impl Cli {
             return Err("fail-rate must be within 0..=1".into());
         }
         Ok(c)
+    }
+}
+
+impl Cli {
+    /// The `/metrics` fault replica `index` starts with.
+    pub fn metrics_fault_for(&self, index: u16) -> MetricsFault {
+        let chosen =
+            self.metrics_fault_replicas.is_empty() || self.metrics_fault_replicas.contains(&index);
+        let mode = if chosen {
+            self.metrics_fault
+        } else {
+            ScrapeMode::Ok
+        };
+        MetricsFault {
+            bytes: self.metrics_huge_bytes,
+            stall_ms: self.metrics_stall_ms,
+            ..MetricsFault::new(mode)
+        }
+    }
+
+    pub fn validate_metrics_fault(&self) -> Result<(), String> {
+        if let Some(i) = self
+            .metrics_fault_replicas
+            .iter()
+            .find(|i| **i >= self.replicas)
+        {
+            return Err(format!(
+                "metrics-fault-replicas: no replica {i} (--replicas {})",
+                self.replicas
+            ));
+        }
+        self.metrics_fault_for(0).validate()
     }
 }
 
@@ -144,5 +191,39 @@ mod tests {
         assert!(
             Cli::try_parse_from(["replica-sim", "--kv-blocks", "1", "--kv-tokens", "16"]).is_err()
         );
+    }
+
+    #[test]
+    fn metrics_fault_applies_to_the_chosen_replicas() {
+        let cli = Cli::parse_from([
+            "replica-sim",
+            "--replicas",
+            "3",
+            "--metrics-fault",
+            "stall",
+            "--metrics-fault-replicas",
+            "0,2",
+            "--metrics-stall-ms",
+            "500",
+        ]);
+        cli.validate_metrics_fault().unwrap();
+        let modes: Vec<_> = (0..3).map(|i| cli.metrics_fault_for(i).mode).collect();
+        assert_eq!(
+            modes,
+            [ScrapeMode::Stall, ScrapeMode::Ok, ScrapeMode::Stall]
+        );
+        assert_eq!(cli.metrics_fault_for(2).stall_ms, 500);
+        let all = Cli::parse_from(["replica-sim", "--replicas", "2", "--metrics-fault", "huge"]);
+        assert!((0..2).all(|i| all.metrics_fault_for(i).mode == ScrapeMode::Huge));
+        assert_eq!(all.metrics_fault_for(1).bytes, 40 << 20);
+        for bad in [
+            &["--replicas", "2", "--metrics-fault-replicas", "2"][..],
+            &["--metrics-huge-bytes", "2000000000"],
+            &["--metrics-stall-ms", "4000000"],
+        ] {
+            let cli = Cli::parse_from(std::iter::once("replica-sim").chain(bad.iter().copied()));
+            assert!(cli.validate_metrics_fault().is_err(), "{bad:?}");
+        }
+        assert!(Cli::try_parse_from(["replica-sim", "--metrics-fault", "sideways"]).is_err());
     }
 }

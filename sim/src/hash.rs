@@ -18,7 +18,7 @@ pub fn hash_str(s: &str) -> u64 {
 
 /// A final avalanche step (splitmix64): FNV alone mixes the high bits of the
 /// last bytes poorly, and block hashes are used as map keys.
-fn mix(mut z: u64) -> u64 {
+pub fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

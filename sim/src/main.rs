@@ -7,6 +7,7 @@ mod fault;
 mod hash;
 mod kv;
 mod metrics;
+mod metrics_fault;
 mod openai;
 mod preset;
 mod replica;
@@ -25,7 +26,10 @@ use crate::replica::{Replica, Settings};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let cfg = match cli.engine_config() {
+    let checked = cli
+        .validate_metrics_fault()
+        .and_then(|()| cli.engine_config());
+    let cfg = match checked {
         Ok(c) => c,
         Err(e) => {
             eprintln!("replica-sim: {e}");
@@ -74,7 +78,8 @@ async fn serve(cli: &Cli, settings: Settings) -> std::io::Result<()> {
             .await
             .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}:{port}: {e}", cli.host)))?;
         let addr = listener.local_addr()?;
-        let app = api::router(Replica::start(addr, settings.clone()));
+        let replica = Replica::start(addr, settings.clone(), cli.metrics_fault_for(i));
+        let app = api::router(replica);
         // TCP_NODELAY like uvicorn (vLLM, SGLang) does: without it small SSE
         // writes meet delayed ACKs and TTFT gains a spurious 40 ms.
         let listener = listener.tap_io(|tcp| {

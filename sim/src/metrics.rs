@@ -14,6 +14,18 @@ const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
+/// Every single-sample gauge and counter of the page: the series whose
+/// values the `absurd` metrics fault may replace.
+pub const SCALARS: &[&str] = &[
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+];
 /// vLLM's end-to-end latency buckets (seconds).
 const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -143,6 +155,13 @@ impl Metrics {
 
     /// The whole `/metrics` page.
     pub fn render(&self) -> String {
+        self.render_with(&|_| None)
+    }
+
+    /// The page with some of the [`SCALARS`] replaced: `over(name)` gives
+    /// the value to show instead of the live one (the `absurd` fault).
+    pub fn render_with(&self, over: &dyn Fn(&str) -> Option<f64>) -> String {
+        let pick = |name: &str, live: f64| over(name).unwrap_or(live);
         let mut out = String::with_capacity(8192);
         let l = format!("model_name=\"{}\",engine=\"0\"", escape(&self.info.model));
         let g = &self.gauges;
@@ -165,7 +184,7 @@ impl Metrics {
             ),
         ];
         for (name, help, v) in gauges {
-            sample(&mut out, name, help, "gauge", &l, v);
+            sample(&mut out, name, help, "gauge", &l, pick(name, v));
         }
         let counters = [
             (
@@ -190,16 +209,18 @@ impl Metrics {
             ),
         ];
         for (name, help, v) in counters {
-            sample(&mut out, name, help, "counter", &l, v.load(Relaxed) as f64);
+            let v = pick(name, v.load(Relaxed) as f64);
+            sample(&mut out, name, help, "counter", &l, v);
         }
         let success = format!("{l},finished_reason=\"length\"");
+        let name = "vllm:request_success_total";
         sample(
             &mut out,
-            "vllm:request_success_total",
+            name,
             "Count of successfully processed requests.",
             "counter",
             &success,
-            c.request_success.load(Relaxed) as f64,
+            pick(name, c.request_success.load(Relaxed) as f64),
         );
         histogram(
             &mut out,
@@ -281,9 +302,17 @@ fn histogram(out: &mut String, name: &str, help: &str, labels: &str, h: &Histogr
     let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
 }
 
-/// Prometheus floats: always with a decimal point, like the Python client.
-fn num(v: f64) -> String {
-    if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e15 {
+/// Prometheus floats: always with a decimal point, like the Python client;
+/// `NaN`/`+Inf`/`-Inf` as the format spells them (Rust would print `inf`);
+/// huge magnitudes in exponent form (Rust would print all 309 digits).
+pub fn num(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        (if v > 0.0 { "+Inf" } else { "-Inf" }).into()
+    } else if v.abs() >= 1e15 {
+        format!("{v:e}")
+    } else if v.fract() == 0.0 {
         format!("{v:.1}")
     } else {
         format!("{v}")
@@ -341,5 +370,34 @@ mod tests {
         assert!(page.contains(
             "vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 0\n"
         ));
+    }
+
+    #[test]
+    fn special_values_use_prometheus_spelling() {
+        assert_eq!(num(f64::NAN), "NaN");
+        assert_eq!(num(f64::INFINITY), "+Inf");
+        assert_eq!(num(f64::NEG_INFINITY), "-Inf");
+        assert_eq!(num(1e308), "1e308");
+        assert_eq!(num(-1e39), "-1e39");
+        assert_eq!(num(42.0), "42.0");
+        assert_eq!(num(-1.0), "-1.0");
+        assert_eq!(num(0.25), "0.25");
+    }
+
+    #[test]
+    fn every_scalar_can_be_overridden() {
+        let m = metrics();
+        m.counters.prompt_tokens.store(7, Relaxed);
+        let page = m.render_with(&|name| SCALARS.contains(&name).then_some(-2.5));
+        for name in SCALARS {
+            let line = page
+                .lines()
+                .find(|l| l.starts_with(&format!("{name}{{")))
+                .unwrap_or_else(|| panic!("{name} missing"));
+            assert!(line.ends_with("} -2.5"), "{line}");
+        }
+        assert!(m
+            .render()
+            .contains("vllm:prompt_tokens_total{model_name=\"m\\\"x\",engine=\"0\"} 7.0\n"));
     }
 }

@@ -10,6 +10,7 @@ use crate::engine::{self, EngineHandle};
 use crate::fault::{FailRate, Fault, Mode};
 use crate::hash::hash_str;
 use crate::metrics::{Info, Metrics};
+use crate::metrics_fault::MetricsFault;
 use crate::preset::EngineConfig;
 
 /// Settings shared by all replicas of the process.
@@ -31,13 +32,21 @@ pub struct Replica {
     pub engine: EngineHandle,
     pub metrics: Arc<Metrics>,
     pub fault: watch::Sender<Fault>,
+    /// The `/metrics` fault; a watch so a stalled scrape wakes on a change.
+    pub metrics_fault: watch::Sender<MetricsFault>,
     pub fail: FailRate,
     pub next_id: AtomicU64,
 }
 
 impl Replica {
     /// Builds the replica and starts its engine (needs a tokio runtime).
-    pub fn start(addr: std::net::SocketAddr, settings: Settings) -> Arc<Self> {
+    /// `metrics_fault` is per replica (unlike `settings`), so one replica
+    /// of a process can start with a broken `/metrics`.
+    pub fn start(
+        addr: std::net::SocketAddr,
+        settings: Settings,
+        metrics_fault: MetricsFault,
+    ) -> Arc<Self> {
         let cfg = &settings.cfg;
         let metrics = Arc::new(Metrics::new(Info {
             model: settings.model.clone(),
@@ -67,6 +76,7 @@ impl Replica {
             engine,
             metrics,
             fault: watch::Sender::new(initial),
+            metrics_fault: watch::Sender::new(metrics_fault),
             next_id: AtomicU64::new(0),
         })
     }

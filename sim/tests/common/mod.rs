@@ -4,7 +4,8 @@
 
 #![allow(dead_code)] // each test file uses a different subset
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -61,6 +62,10 @@ impl Sim {
 
     pub fn addr(&self) -> &str {
         &self.addrs[0]
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
@@ -207,4 +212,100 @@ pub fn stream(addr: &str, path: &str, body: &Value) -> (f64, Vec<String>) {
         frames.push(payload.to_string());
     }
     (ttft.expect("no frames"), frames)
+}
+
+/// How a raw response's connection ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum End {
+    /// The server closed it (FIN).
+    Eof,
+    /// The server reset it (RST).
+    Reset,
+    /// Still open when the time limit passed.
+    TimedOut,
+}
+
+/// A response read off the socket as is: no client library framing checks,
+/// so a short, stalled or binary body is observable byte for byte.
+#[derive(Debug)]
+pub struct RawReply {
+    pub status: u16,
+    /// Lower-cased names.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub end: End,
+    pub elapsed: Duration,
+}
+
+impl RawReply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn content_length(&self) -> usize {
+        self.header("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no content-length: {:?}", self.headers))
+    }
+
+    /// All promised bytes arrived and the server closed cleanly.
+    pub fn complete(&self) -> bool {
+        self.end == End::Eof && self.body.len() == self.content_length()
+    }
+}
+
+/// GET with `Connection: close`, reading until the server closes or resets
+/// the connection or `limit` passes. Panics if no response head arrives.
+pub fn raw_get(addr: &str, path: &str, limit: Duration) -> RawReply {
+    let t0 = Instant::now();
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send request");
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let end = loop {
+        let left = (t0 + limit).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break End::TimedOut;
+        }
+        s.set_read_timeout(Some(left)).expect("set timeout");
+        match s.read(&mut chunk) {
+            Ok(0) => break End::Eof,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                break End::TimedOut
+            }
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break End::Reset,
+            Err(e) => panic!("read {addr}{path}: {e}"),
+        }
+    };
+    let elapsed = t0.elapsed();
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head from {addr}{path}: {end:?}"));
+    let head = String::from_utf8_lossy(&buf[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .expect("status line");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    RawReply {
+        status,
+        headers,
+        body: buf[split + 4..].to_vec(),
+        end,
+        elapsed,
+    }
 }
