@@ -190,6 +190,9 @@ struct RawConfig {
     mode: Mode,
     #[serde(default)]
     shadow_baseline: Baseline,
+    /// Test-only fault injection, compiled in only with the
+    /// `fault-injection` feature: release modules reject the key as unknown.
+    #[cfg(feature = "fault-injection")]
     #[serde(default)]
     debug_trap_on_request: Option<u64>,
 }
@@ -284,9 +287,9 @@ pub struct Config {
     pub priority_header: String,
     pub mode: Mode,
     pub shadow_baseline: Baseline,
-    /// Test-only fault injection: the VM traps (panics) on its N-th
-    /// request, to exercise Envoy's `failure_policy`. Never set in
-    /// production.
+    /// Test-only fault injection (`fault-injection` feature): the VM traps
+    /// on its N-th request, to exercise Envoy's `failure_policy`.
+    #[cfg(feature = "fault-injection")]
     pub debug_trap_on_request: Option<u64>,
     pub discovery: Option<Discovery>,
 }
@@ -320,12 +323,7 @@ impl Config {
                     });
                 }
             }
-            range(
-                "discovery.interval_ms",
-                d.interval_ms as usize,
-                50,
-                3_600_000,
-            )?;
+            range("discovery.interval_ms", d.interval_ms, 50, 3_600_000)?;
         }
         // With discovery the static list may be empty: the pool comes
         // from Envoy.
@@ -336,25 +334,42 @@ impl Config {
         };
         let destination_header = check_header(&raw.destination_header)?;
         let inference_paths = check_paths(raw.inference_paths)?;
-        range("max_fallbacks", raw.max_fallbacks, 0, MAX_FALLBACKS)?;
-        range("max_body_bytes", raw.max_body_bytes, 1, 1 << 30)?;
-        range("block_bytes", raw.block_bytes, 8, 65_536)?;
-        range("max_blocks", raw.max_blocks, 1, MAX_BLOCKS)?;
-        range("index_capacity", raw.index_capacity, 64, MAX_INDEX_CAPACITY)?;
-        range("index_stride", raw.index_stride, 1, raw.max_blocks)?;
+        range(
+            "max_fallbacks",
+            raw.max_fallbacks as u64,
+            0,
+            MAX_FALLBACKS as u64,
+        )?;
+        range("max_body_bytes", raw.max_body_bytes as u64, 1, 1 << 30)?;
+        range("block_bytes", raw.block_bytes as u64, 8, 65_536)?;
+        range("max_blocks", raw.max_blocks as u64, 1, MAX_BLOCKS as u64)?;
+        range(
+            "index_capacity",
+            raw.index_capacity as u64,
+            64,
+            MAX_INDEX_CAPACITY as u64,
+        )?;
+        range(
+            "index_stride",
+            raw.index_stride as u64,
+            1,
+            raw.max_blocks as u64,
+        )?;
         range(
             "request_cost_blocks",
-            raw.request_cost_blocks as usize,
+            u64::from(raw.request_cost_blocks),
             0,
             1 << 20,
         )?;
         range(
             "bounded_load_slack_blocks",
-            raw.bounded_load_slack_blocks as usize,
+            u64::from(raw.bounded_load_slack_blocks),
             0,
             1 << 24,
         )?;
-        range("tick_ms", raw.tick_ms as usize, 10, 60_000)?;
+        // A dead VM's load counts expire after 10 missed heartbeats: the tick
+        // bounds how long they linger.
+        range("tick_ms", raw.tick_ms, 10, 1000)?;
         if !(raw.bounded_load_factor.is_finite() && raw.bounded_load_factor >= 1.0) {
             return Err(ConfigError::Range {
                 key: "bounded_load_factor",
@@ -399,19 +414,14 @@ impl Config {
                         why: format!("`{}` must start with /", raw.metrics_path),
                     });
                 }
+                range("scrape_interval_ms", raw.scrape_interval_ms, 10, 600_000)?;
+                range("scrape_timeout_ms", raw.scrape_timeout_ms, 10, 600_000)?;
                 range(
-                    "scrape_interval_ms",
-                    raw.scrape_interval_ms as usize,
-                    10,
-                    600_000,
+                    "max_metrics_bytes",
+                    raw.max_metrics_bytes as u64,
+                    1024,
+                    64 << 20,
                 )?;
-                range(
-                    "scrape_timeout_ms",
-                    raw.scrape_timeout_ms as usize,
-                    10,
-                    600_000,
-                )?;
-                range("max_metrics_bytes", raw.max_metrics_bytes, 1024, 64 << 20)?;
                 Some(Scrape {
                     cluster,
                     path: raw.metrics_path,
@@ -422,8 +432,8 @@ impl Config {
                 })
             }
         };
-        range("staleness_ms", raw.staleness_ms as usize, 10, 3_600_000)?;
-        range("unhealthy_after", raw.unhealthy_after as usize, 1, 1000)?;
+        range("staleness_ms", raw.staleness_ms, 10, 3_600_000)?;
+        range("unhealthy_after", u64::from(raw.unhealthy_after), 1, 1000)?;
         if !(raw.queue_threshold.is_finite() && raw.queue_threshold >= 0.0) {
             return Err(ConfigError::Range {
                 key: "queue_threshold",
@@ -461,6 +471,7 @@ impl Config {
             priority_header,
             mode: raw.mode,
             shadow_baseline: raw.shadow_baseline,
+            #[cfg(feature = "fault-injection")]
             debug_trap_on_request: raw.debug_trap_on_request,
             discovery: raw.discovery,
         })
@@ -473,7 +484,9 @@ impl Config {
     }
 }
 
-fn range(key: &'static str, v: usize, lo: usize, hi: usize) -> Result<(), ConfigError> {
+/// Checked in u64 whatever the field's type: a `usize` is 32 bits in the
+/// wasm, and a u64 value cast to it would wrap (4294967306 -> 10) and pass.
+fn range(key: &'static str, v: u64, lo: u64, hi: u64) -> Result<(), ConfigError> {
     if v < lo || v > hi {
         return Err(ConfigError::Range {
             key,
@@ -639,6 +652,34 @@ mod tests {
         assert_eq!(c.shadow_baseline, Baseline::RoundRobin);
         assert!(
             err(r#"{"endpoints":["10.0.0.1:1"],"mode":"yolo"}"#).contains("unknown variant `yolo`")
+        );
+    }
+
+    #[test]
+    fn u64_ranges_are_checked_whole_on_32_bit_targets_too() {
+        // 4294967306 = 2^32 + 10: cast to a wasm32 usize it read as 10 and
+        // passed. These tests also run compiled to wasm32.
+        for key in [
+            "tick_ms",
+            "staleness_ms",
+            "scrape_interval_ms",
+            "scrape_timeout_ms",
+        ] {
+            let json =
+                format!(r#"{{"endpoints":["10.0.0.1:1"],"cluster":"p","{key}":4294967306}}"#);
+            assert!(err(&json).contains(&format!("`{key}`")), "{key}");
+        }
+        let json = r#"{"discovery":{"cluster":"p","admin_cluster":"a","interval_ms":4294967306}}"#;
+        assert!(err(json).contains("discovery.interval_ms"));
+        assert!(err(r#"{"endpoints":["10.0.0.1:1"],"tick_ms":5000}"#).contains("`tick_ms`"));
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    #[test]
+    fn release_builds_have_no_fault_injection_key() {
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"debug_trap_on_request":5}"#)
+                .contains("unknown field `debug_trap_on_request`")
         );
     }
 

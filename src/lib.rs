@@ -27,6 +27,7 @@ pub mod replicas;
 pub mod request;
 pub mod route;
 pub mod score;
+pub mod scrape;
 pub mod store;
 
 // Not in test builds: a wasm32 test binary runs under plain WASI, which

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
-use crate::store::{update, Reader, Store};
+use crate::store::{get_existing, update, Reader, Store};
 
 const VERSION: u8 = 2;
 /// Placed-content estimates halve this often: roughly how long a model
@@ -223,45 +223,72 @@ impl LoadBoard {
     }
 
     /// Take the first slot that is free or whose owner stopped heartbeating;
-    /// else append a new one (bounded by `MAX_SLOTS`).
+    /// else append a new one (bounded by `MAX_SLOTS`). Every claim is a
+    /// compare-and-swap on a key that exists (see `store::get_existing`):
+    /// two VMs starting together can't both take one slot. A create that
+    /// lands late can still wipe a fresh claim; its owner sees that on its
+    /// next checked write and moves (`publish_checked`).
     fn claim<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> Option<u32> {
         let known = slot_count(store);
+        if let Some(i) = (0..known).find(|&i| self.take(store, i, now_ms)) {
+            return Some(i);
+        }
+        let (value, cas) = existing(store, SLOTS_KEY, &0u32.to_le_bytes())?;
+        let n = value.as_deref().map(read_u32).unwrap_or(0);
+        if n >= MAX_SLOTS {
+            log::warn!("all {MAX_SLOTS} load slots are live; this VM's load is not shared");
+            return None;
+        }
+        // One try each: on a mismatch a peer got there first, and the
+        // next publish scans again (a slot may even be free by then).
+        store
+            .set(SLOTS_KEY, &(n + 1).to_le_bytes(), Some(cas))
+            .ok()?;
+        self.take(store, n, now_ms).then_some(n)
+    }
+
+    /// Claim slot `i` if it is free (never used, corrupt, or its owner
+    /// stopped heartbeating), by compare-and-swap.
+    fn take<S: Store + ?Sized>(&self, store: &S, i: u32, now_ms: u64) -> bool {
+        let key = slot_key(i);
+        let Some((value, cas)) = existing(store, &key, &free_slot()) else {
+            return false;
+        };
+        let free = match value.as_deref().map(decode) {
+            None | Some(None) => true,
+            Some(Some(s)) => s.owner == 0 || now_ms.saturating_sub(s.heartbeat_ms) > self.stale_ms,
+        };
         let mine = encode(&Slot {
             owner: self.owner,
             heartbeat_ms: now_ms,
             loads: Vec::new(),
         });
-        for i in 0..known {
-            let (value, cas) = store.get(&slot_key(i));
-            let free = match value.as_deref().map(decode) {
-                None | Some(None) => true,
-                Some(Some(s)) => now_ms.saturating_sub(s.heartbeat_ms) > self.stale_ms,
-            };
-            if free
-                && store
-                    .set(&slot_key(i), &mine, Some(cas.unwrap_or(0)))
-                    .is_ok()
-            {
-                return Some(i);
-            }
-        }
-        let mut got = None;
-        let _ = update(store, SLOTS_KEY, 16, |old| {
-            let n = old.map(read_u32).unwrap_or(0);
-            got = (n < MAX_SLOTS).then_some(n);
-            got.map(|n| (n + 1).to_le_bytes().to_vec())
-        });
-        match got {
-            Some(i) => {
-                let _ = store.set(&slot_key(i), &mine, None);
-                Some(i)
-            }
-            None => {
-                log::warn!("all {MAX_SLOTS} load slots are live; this VM's load is not shared");
-                None
-            }
-        }
+        free && store.set(&key, &mine, Some(cas)).is_ok()
     }
+}
+
+/// A slot nobody holds (owner 0, never heard from): what a first contact
+/// creates, so that claims are compare-and-swaps.
+fn free_slot() -> Vec<u8> {
+    encode(&Slot {
+        owner: 0,
+        heartbeat_ms: 0,
+        loads: Vec::new(),
+    })
+}
+
+/// `get_existing`, then read the key it created: a slot or the counter
+/// may be claimed in the same call, because a claim wiped by a late create
+/// is caught by its owner's next checked write.
+fn existing<S: Store + ?Sized>(
+    store: &S,
+    key: &str,
+    neutral: &[u8],
+) -> Option<(Option<Vec<u8>>, u32)> {
+    get_existing(store, key, neutral).or_else(|| match store.get(key) {
+        (value, Some(cas)) => Some((value, cas)),
+        _ => None,
+    })
 }
 
 fn read_u32(b: &[u8]) -> u32 {
@@ -372,6 +399,47 @@ mod tests {
         );
         w.heartbeat(&s, 1 + 20 * PLACED_HALF_LIFE_MS);
         assert!(snapshot(&s, 2 + 20 * PLACED_HALF_LIFE_MS, 1_000_000).is_empty());
+    }
+
+    #[test]
+    fn two_vms_starting_on_an_empty_store_get_different_slots() {
+        // Before: both read the absent counter, both wrote 1 unconditionally
+        // and both took slot 0, overwriting each other's counts.
+        struct Interleaved<'a> {
+            inner: &'a MemStore,
+            rival: std::cell::RefCell<Option<LoadBoard>>,
+        }
+        impl Store for Interleaved<'_> {
+            fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+                self.inner.get(key)
+            }
+            fn set(
+                &self,
+                key: &str,
+                value: &[u8],
+                cas: Option<u32>,
+            ) -> Result<(), crate::store::StoreError> {
+                // The rival starts and claims between our read of the
+                // empty store and our first write.
+                if let Some(mut b) = self.rival.borrow_mut().take() {
+                    b.start(self.inner, 20, 1, 0, 0);
+                    assert_eq!(b.slot(), Some(0));
+                }
+                self.inner.set(key, value, cas)
+            }
+        }
+        let s = MemStore::new();
+        let racing = Interleaved {
+            inner: &s,
+            rival: std::cell::RefCell::new(Some(LoadBoard::new(2, 1000))),
+        };
+        let mut a = LoadBoard::new(1, 1000);
+        a.start(&racing, 10, 1, 0, 0);
+        a.heartbeat(&s, 1);
+        assert_eq!(a.slot(), Some(1));
+        // The rival never had to move: its counts were never overwritten.
+        let snap = snapshot(&s, 2, 1000);
+        assert_eq!((snap[&10].requests, snap[&20].requests), (1, 1));
     }
 
     #[test]

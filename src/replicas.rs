@@ -5,17 +5,25 @@
 //! One shared-data key holds the whole table (one writer at a time: the
 //! lease holder), so a decision reads it with a single host call.
 
+use std::collections::HashSet;
+
 use crate::endpoint::ReplicaId;
 use crate::metrics::ReplicaMetrics;
-use crate::store::{update, Reader, Store, StoreError};
+use crate::store::{get_existing, Reader, Store, StoreError};
 
 const TABLE_KEY: &str = "prefix-router/replicas";
 const LEASE_KEY: &str = "prefix-router/scrape-lease";
-const VERSION: u8 = 1;
+/// 2: each row framed by its own length, so one unreadable row costs only
+/// itself (version 1 tables read as absent and are rewritten).
+const VERSION: u8 = 2;
 /// Bounds on what a record may carry (and a decoder will accept).
 pub const MAX_ROWS: usize = 4096;
 pub const MAX_ADAPTERS: usize = 16;
 pub const MAX_ADAPTER_BYTES: usize = 128;
+/// Largest queue/running count a row holds. Far above any real replica,
+/// and still finite in f32 (a page saying 1e308 must not turn into
+/// infinity and poison every reader's arithmetic).
+pub const MAX_COUNT: f32 = 1e6;
 
 /// Health thresholds, from config.
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +47,23 @@ pub struct Row {
     pub waiting_lora: Vec<String>,
 }
 
+/// A count as a row keeps it: finite, 0..=MAX_COUNT (NaN reads as 0).
+fn count(v: f64) -> f32 {
+    if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(0.0, f64::from(MAX_COUNT)) as f32
+    }
+}
+
+fn fraction(v: f32) -> f32 {
+    if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(0.0, 1.0)
+    }
+}
+
 impl Row {
     pub fn healthy(&self, p: &HealthPolicy, now_ms: u64) -> bool {
         self.failures < p.unhealthy_after
@@ -49,12 +74,56 @@ impl Row {
     fn apply_ok(&mut self, m: &ReplicaMetrics, now_ms: u64) {
         self.last_ok_ms = now_ms.max(1);
         self.failures = 0;
-        self.waiting = m.waiting as f32;
-        self.running = m.running as f32;
-        self.kv_usage = m.kv_usage.clamp(0.0, 1.0) as f32;
+        self.waiting = count(m.waiting);
+        self.running = count(m.running);
+        self.kv_usage = fraction(m.kv_usage as f32);
         self.max_lora = m.max_lora.unwrap_or(0);
         self.running_lora = bounded(&m.running_lora);
         self.waiting_lora = bounded(&m.waiting_lora);
+    }
+
+    /// A row whose body can't be read: known, never eligible, until the
+    /// next scrape of it rewrites it.
+    fn unreadable(id: ReplicaId) -> Row {
+        Row {
+            id,
+            failures: u32::MAX,
+            ..Row::default()
+        }
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.last_ok_ms.to_le_bytes());
+        put_u32(out, self.failures);
+        for f in [self.waiting, self.running, self.kv_usage] {
+            out.extend_from_slice(&f.to_le_bytes());
+        }
+        put_u32(out, self.max_lora);
+        for list in [&self.running_lora, &self.waiting_lora] {
+            out.push(list.len() as u8);
+            for name in list {
+                out.push(name.len() as u8);
+                out.extend_from_slice(name.as_bytes());
+            }
+        }
+    }
+
+    /// The body after the id. Values are sanitised again on the way in:
+    /// whatever wrote the record, a reader never sees NaN or infinity.
+    fn decode_body(id: ReplicaId, r: &mut Reader) -> Option<Row> {
+        let row = Row {
+            id,
+            last_ok_ms: r.u64()?,
+            failures: r.u32()?,
+            waiting: count(f64::from(f32::from_bits(r.u32()?))),
+            running: count(f64::from(f32::from_bits(r.u32()?))),
+            kv_usage: fraction(f32::from_bits(r.u32()?)),
+            max_lora: r.u32()?,
+            running_lora: names(r)?,
+            waiting_lora: names(r)?,
+        };
+        r.is_empty().then_some(row)
     }
 }
 
@@ -67,26 +136,55 @@ fn bounded(names: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Rows sorted by id, so a decision finds each in O(log n).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Table {
-    pub rows: Vec<Row>,
+    rows: Vec<Row>,
 }
 
 impl Table {
-    pub fn row(&self, id: ReplicaId) -> Option<&Row> {
-        self.rows.iter().find(|r| r.id == id)
+    pub fn rows(&self) -> &[Row] {
+        &self.rows
     }
 
-    fn row_mut(&mut self, id: ReplicaId) -> &mut Row {
-        if let Some(i) = self.rows.iter().position(|r| r.id == id) {
-            return &mut self.rows[i];
+    pub fn row(&self, id: ReplicaId) -> Option<&Row> {
+        self.rows
+            .binary_search_by_key(&id, |r| r.id)
+            .ok()
+            .and_then(|i| self.rows.get(i))
+    }
+
+    fn row_mut(&mut self, id: ReplicaId) -> Option<&mut Row> {
+        let i = match self.rows.binary_search_by_key(&id, |r| r.id) {
+            Ok(i) => i,
+            Err(_) if self.rows.len() >= MAX_ROWS => return None,
+            Err(i) => {
+                self.rows.insert(
+                    i,
+                    Row {
+                        id,
+                        ..Row::default()
+                    },
+                );
+                i
+            }
+        };
+        self.rows.get_mut(i)
+    }
+
+    /// Record one scrape outcome for `id` (`Ok` metrics or a failure).
+    pub fn record(&mut self, id: ReplicaId, outcome: Result<&ReplicaMetrics, ()>, now_ms: u64) {
+        let Some(row) = self.row_mut(id) else { return };
+        match outcome {
+            Ok(m) => row.apply_ok(m, now_ms),
+            Err(()) => row.failures = row.failures.saturating_add(1),
         }
-        self.rows.push(Row {
-            id,
-            ..Row::default()
-        });
-        let last = self.rows.len() - 1;
-        &mut self.rows[last]
+    }
+
+    /// Drop rows of replicas no longer in the pool, so the table can't
+    /// grow past it.
+    pub fn retain(&mut self, known: &HashSet<ReplicaId>) {
+        self.rows.retain(|r| known.contains(&r.id));
     }
 
     /// Eligibility of `id`: unknown replicas (not scraped yet) are eligible,
@@ -100,33 +198,29 @@ impl Table {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(5 + self.rows.len() * 64);
+        let mut out = Vec::with_capacity(5 + self.rows.len() * 66);
         out.push(VERSION);
         put_u32(&mut out, self.rows.len() as u32);
+        let mut row = Vec::with_capacity(128);
         for r in &self.rows {
-            out.extend_from_slice(&r.id.to_le_bytes());
-            out.extend_from_slice(&r.last_ok_ms.to_le_bytes());
-            put_u32(&mut out, r.failures);
-            for f in [r.waiting, r.running, r.kv_usage] {
-                out.extend_from_slice(&f.to_le_bytes());
-            }
-            put_u32(&mut out, r.max_lora);
-            for list in [&r.running_lora, &r.waiting_lora] {
-                out.push(list.len() as u8);
-                for name in list {
-                    out.push(name.len() as u8);
-                    out.extend_from_slice(name.as_bytes());
-                }
-            }
+            row.clear();
+            r.encode(&mut row);
+            out.extend_from_slice(&(row.len() as u16).to_le_bytes());
+            out.extend_from_slice(&row);
         }
         out
     }
 
-    /// A corrupt or truncated table reads as empty (everyone unknown, so
-    /// eligible): it is never trusted, and the next scrape rewrites it.
+    /// A table whose framing is broken reads as empty (everyone unknown,
+    /// so eligible): never trusted, and the next scrape rewrites it. A row
+    /// whose body is broken costs only that row, which reads as unhealthy.
     pub fn decode(buf: &[u8]) -> Table {
         decode_rows(&mut Reader::new(buf))
-            .map(|rows| Table { rows })
+            .map(|mut rows| {
+                rows.sort_by_key(|r| r.id);
+                rows.dedup_by_key(|r| r.id);
+                Table { rows }
+            })
             .unwrap_or_default()
     }
 
@@ -137,6 +231,11 @@ impl Table {
             .map(|b| Table::decode(&b))
             .unwrap_or_default()
     }
+
+    /// Write the whole table (only the lease holder writes it).
+    pub fn publish<S: Store + ?Sized>(&self, store: &S) -> Result<(), StoreError> {
+        store.set(TABLE_KEY, &self.encode(), None)
+    }
 }
 
 /// Fuzzing support: see `index::check_codec`.
@@ -144,6 +243,9 @@ impl Table {
 pub fn check_codec(buf: &[u8]) {
     let t = Table::decode(buf);
     assert!(t.rows.len() <= MAX_ROWS);
+    assert!(t.rows.iter().all(|r| r.waiting.is_finite()
+        && r.running.is_finite()
+        && (0.0..=1.0).contains(&r.kv_usage)));
     assert_eq!(Table::decode(&t.encode()), t);
 }
 
@@ -161,29 +263,11 @@ fn decode_rows(r: &mut Reader) -> Option<Vec<Row>> {
     }
     let mut rows = Vec::with_capacity(n);
     for _ in 0..n {
-        let id = r.u64()?;
-        let last_ok_ms = r.u64()?;
-        let failures = r.u32()?;
-        let waiting = f32::from_bits(r.u32()?);
-        let running = f32::from_bits(r.u32()?);
-        let kv_usage = f32::from_bits(r.u32()?);
-        let max_lora = r.u32()?;
-        let running_lora = names(r)?;
-        let waiting_lora = names(r)?;
-        if !(waiting.is_finite() && running.is_finite() && kv_usage.is_finite()) {
-            return None;
-        }
-        rows.push(Row {
-            id,
-            last_ok_ms,
-            failures,
-            waiting,
-            running,
-            kv_usage,
-            max_lora,
-            running_lora,
-            waiting_lora,
-        });
+        let len = usize::from(u16::from_le_bytes(r.take(2)?.try_into().ok()?));
+        let mut body = Reader::new(r.take(len)?);
+        // Without an id the row can't be attributed: skip it.
+        let Some(id) = body.u64() else { continue };
+        rows.push(Row::decode_body(id, &mut body).unwrap_or_else(|| Row::unreadable(id)));
     }
     r.is_empty().then_some(rows)
 }
@@ -201,26 +285,19 @@ fn names(r: &mut Reader) -> Option<Vec<String>> {
     Some(out)
 }
 
-/// Record a scrape outcome for `id` (`Ok` metrics or a failure) in the
-/// shared table, keeping only rows for `known` replicas so the table can't
-/// grow past the pool.
+/// Record one scrape outcome straight into the shared table (read, apply,
+/// write): what the scraper does in batches, for tests and tools.
 pub fn record_scrape<S: Store + ?Sized>(
     store: &S,
     id: ReplicaId,
     outcome: Result<&ReplicaMetrics, ()>,
     known: &[ReplicaId],
     now_ms: u64,
-) -> Result<u32, StoreError> {
-    update(store, TABLE_KEY, 8, |old| {
-        let mut t = old.map(Table::decode).unwrap_or_default();
-        t.rows.retain(|r| known.contains(&r.id));
-        let row = t.row_mut(id);
-        match outcome {
-            Ok(m) => row.apply_ok(m, now_ms),
-            Err(()) => row.failures = row.failures.saturating_add(1),
-        }
-        Some(t.encode())
-    })
+) -> Result<(), StoreError> {
+    let mut t = Table::load(store);
+    t.retain(&known.iter().copied().collect());
+    t.record(id, outcome, now_ms);
+    t.publish(store)
 }
 
 /// The scraper lease: (owner, expiry). A VM scrapes only while it holds it;
@@ -235,8 +312,17 @@ pub enum Lease {
     Other,
 }
 
+fn lease_record(owner: u64, expiry_ms: u64) -> Vec<u8> {
+    let mut rec = owner.to_le_bytes().to_vec();
+    rec.extend_from_slice(&expiry_ms.to_le_bytes());
+    rec
+}
+
+/// `owner` must not be 0: owner 0 is the free lease a first contact writes.
 pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_ms: u64) -> Lease {
-    let (value, cas) = store.get(LEASE_KEY);
+    let Some((value, cas)) = get_existing(store, LEASE_KEY, &lease_record(0, 0)) else {
+        return Lease::Other;
+    };
     let current = value.as_deref().and_then(|b| {
         let mut r = Reader::new(b);
         Some((r.u64()?, r.u64()?))
@@ -244,12 +330,10 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
     let outcome = match current {
         Some((o, _)) if o == owner => Lease::Held,
         Some((_, expiry)) if now_ms < expiry => return Lease::Other,
-        Some(_) => Lease::TookOver,
-        None => Lease::Held,
+        Some((0, _)) => Lease::Held,
+        _ => Lease::TookOver,
     };
-    let mut rec = owner.to_le_bytes().to_vec();
-    rec.extend_from_slice(&(now_ms + ttl_ms).to_le_bytes());
-    match store.set(LEASE_KEY, &rec, Some(cas.unwrap_or(0))) {
+    match store.set(LEASE_KEY, &lease_record(owner, now_ms + ttl_ms), Some(cas)) {
         Ok(()) => outcome,
         Err(_) => Lease::Other,
     }
@@ -259,6 +343,7 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
 mod tests {
     use super::*;
     use crate::store::MemStore;
+    use std::cell::RefCell;
 
     const P: HealthPolicy = HealthPolicy {
         staleness_ms: 2000,
@@ -318,15 +403,12 @@ mod tests {
     #[test]
     fn corrupt_tables_read_as_empty() {
         let mut t = Table::default();
-        t.row_mut(5).apply_ok(&metrics(2.0), 9);
+        t.record(5, Ok(&metrics(2.0)), 9);
         let good = t.encode();
         assert_eq!(Table::decode(&good), t);
         for cut in 0..good.len() {
             assert_eq!(Table::decode(&good[..cut]), Table::default());
         }
-        let mut nan = t.clone();
-        nan.rows[0].waiting = f32::NAN;
-        assert_eq!(Table::decode(&nan.encode()), Table::default());
         assert_eq!(
             Table::decode(&[VERSION, 0xff, 0xff, 0xff, 0xff]),
             Table::default()
@@ -334,8 +416,73 @@ mod tests {
     }
 
     #[test]
+    fn absurd_values_are_clamped_and_never_poison_the_table() {
+        // Before: 1e308 was stored as f32 infinity, the reader rejected the
+        // whole table, and every replica (a failing one too) looked
+        // unknown, so eligible and idle.
+        let s = MemStore::new();
+        let known = [1, 2];
+        let absurd = ReplicaMetrics {
+            waiting: 1e308,
+            running: f64::INFINITY,
+            kv_usage: f64::NAN,
+            ..ReplicaMetrics::default()
+        };
+        record_scrape(&s, 1, Ok(&absurd), &known, 1000).unwrap();
+        for _ in 0..3 {
+            record_scrape(&s, 2, Err(()), &known, 1000).unwrap();
+        }
+        let t = Table::load(&s);
+        let r1 = t.row(1).unwrap();
+        assert_eq!(
+            (r1.waiting, r1.running, r1.kv_usage),
+            (MAX_COUNT, MAX_COUNT, 0.0)
+        );
+        assert!(t.eligible(1, &P, 1000));
+        assert!(!t.eligible(2, &P, 1000), "the failing replica stays out");
+    }
+
+    #[test]
+    fn one_unreadable_row_costs_only_itself() {
+        let mut t = Table::default();
+        t.record(1, Ok(&metrics(1.0)), 10);
+        t.record(2, Ok(&metrics(2.0)), 10);
+        let mut buf = t.encode();
+        // Row 1's adapter-name length byte (last row byte region): make the
+        // name list claim more names than allowed.
+        let row1_len = usize::from(u16::from_le_bytes([buf[5], buf[6]]));
+        let lists_at = 7 + 8 + 8 + 4 + 12 + 4;
+        assert!(lists_at < 7 + row1_len);
+        buf[lists_at] = 200;
+        let back = Table::decode(&buf);
+        assert_eq!(back.rows().len(), 2);
+        assert_eq!(back.row(2), t.row(2));
+        assert!(!back.eligible(1, &P, 10), "unreadable row: not trusted");
+        // Non-finite floats written by anything read back sanitised.
+        let mut raw = t.encode();
+        let waiting_at = 7 + 8 + 8 + 4;
+        raw[waiting_at..waiting_at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+        assert_eq!(Table::decode(&raw).row(1).unwrap().waiting, MAX_COUNT);
+    }
+
+    #[test]
+    fn rows_are_found_by_id_in_any_insertion_order() {
+        let mut t = Table::default();
+        for id in [9u64, 3, 7, 1, 5] {
+            t.record(id, Ok(&metrics(id as f64)), 10);
+        }
+        for id in [1u64, 3, 5, 7, 9] {
+            assert_eq!(t.row(id).unwrap().waiting, id as f32);
+        }
+        assert!(t.row(4).is_none());
+        assert_eq!(Table::decode(&t.encode()), t);
+    }
+
+    #[test]
     fn lease_one_holder_and_takeover_after_expiry() {
         let s = MemStore::new();
+        // First contact creates the free lease; claims are CAS from there.
+        assert_eq!(acquire_lease(&s, 1, 0, 300), Lease::Other);
         assert_eq!(acquire_lease(&s, 1, 0, 300), Lease::Held);
         assert_eq!(acquire_lease(&s, 2, 100, 300), Lease::Other);
         assert_eq!(acquire_lease(&s, 1, 200, 300), Lease::Held);
@@ -344,6 +491,55 @@ mod tests {
         assert_eq!(acquire_lease(&s, 2, 500, 300), Lease::TookOver);
         assert_eq!(acquire_lease(&s, 1, 510, 300), Lease::Other);
         assert_eq!(acquire_lease(&s, 2, 600, 300), Lease::Held);
+    }
+
+    /// A store where `rival` runs once, between our first read and our
+    /// next write: the worst interleaving for a read-then-write.
+    struct Interleaved<'a, F: Fn()> {
+        inner: &'a MemStore,
+        rival: RefCell<Option<F>>,
+    }
+
+    impl<F: Fn()> Store for Interleaved<'_, F> {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if let Some(rival) = self.rival.borrow_mut().take() {
+                rival();
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn two_contenders_on_an_empty_store_never_both_hold() {
+        // Before: an absent key made the write unconditional, and both
+        // contenders returned Held.
+        let s = MemStore::new();
+        let held = RefCell::new(std::collections::BTreeSet::new());
+        let racing = Interleaved {
+            inner: &s,
+            rival: RefCell::new(Some(|| {
+                // B runs its first and second contact while A sits between
+                // its read (absent) and its write.
+                for _ in 0..2 {
+                    if acquire_lease(&s, 2, 10, 300) != Lease::Other {
+                        held.borrow_mut().insert(2);
+                    }
+                }
+            })),
+        };
+        if acquire_lease(&racing, 1, 10, 300) != Lease::Other {
+            held.borrow_mut().insert(1);
+        }
+        assert!(held.borrow().len() <= 1, "two holders: {:?}", held.borrow());
+        // A's late create wiped B's claim; from here on exactly one holds.
+        let holders: Vec<u64> = [1, 2]
+            .into_iter()
+            .filter(|&o| acquire_lease(&s, o, 20, 300) != Lease::Other)
+            .collect();
+        assert_eq!(holders.len(), 1, "{holders:?}");
     }
 
     #[test]

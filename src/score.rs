@@ -132,6 +132,7 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
     }
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
     let mean = loads.iter().sum::<f64>() / cands.len() as f64;
+    let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
     // The slack keeps a lightly loaded pool from treating a replica with a
     // few requests as "above the mean".
     let bound = p.bounded_load_factor * mean + p.bounded_load_slack as f64;
@@ -150,10 +151,12 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
                 + w.queue * c.waiting.max(0.0) as f64
                 + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
                 + c.lora.cost(w.lora)
-                // New content goes preferably where less new content went
-                // lately (sglang's "smallest tree" idea), in proportion to
-                // how much of the request is new there.
-                + w.spread * c.load.placed as f64 * blocks.saturating_sub(credit) as f64 / blocks.max(1) as f64
+                + spread_cost(
+                    w.spread,
+                    c.load.placed,
+                    placed_mean,
+                    blocks.saturating_sub(credit),
+                )
         })
         .collect();
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -185,6 +188,22 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
         costs,
         reason,
     }
+}
+
+/// New content goes preferably where less new content went lately
+/// (sglang's "smallest tree" idea). The term compares a replica's recent
+/// new content with the pool's mean, clamped to +-1, and scales it by the
+/// blocks this request would add there: at most `spread` x the request's
+/// new blocks either way. Bounded on purpose: as a raw count it grew with
+/// traffic (30k-300k blocks) until it drowned the scraped queue and KV
+/// penalties, and a replica with 50 queued requests kept getting half of
+/// the new prompts.
+fn spread_cost(weight: f64, placed: u32, mean: f64, new_blocks: u32) -> f64 {
+    if mean <= 0.0 {
+        return 0.0;
+    }
+    let relative = (placed as f64 / mean - 1.0).clamp(-1.0, 1.0);
+    weight * relative * new_blocks as f64
 }
 
 fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
@@ -253,6 +272,27 @@ mod tests {
         c[0].waiting = 2.0;
         c[0].matched = 128;
         assert_eq!(rank(&c, 130, 1, &params()).order[0], 0);
+    }
+
+    #[test]
+    fn recent_placements_never_outweigh_a_scraped_queue() {
+        // Replica 0: idle by its metrics but with a lot of recent new
+        // content; replica 1: queue 50, KV 95%, nothing placed lately.
+        let mut c = [cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        c[0].load.placed = 300_000;
+        c[1].load.placed = 0;
+        c[1].waiting = 50.0;
+        c[1].kv_usage = 0.95;
+        let busy = (0..1000u64)
+            .filter(|&k| rank(&c, 256, k, &params()).order[0] == 1)
+            .count();
+        assert_eq!(busy, 0, "the loaded replica won {busy} of 1000 new prompts");
+        // Among equals the term still spreads new content.
+        c[1].waiting = 0.0;
+        c[1].kv_usage = 0.0;
+        for k in 0..100 {
+            assert_eq!(rank(&c, 256, k, &params()).order[0], 1);
+        }
     }
 
     #[test]

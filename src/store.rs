@@ -103,6 +103,30 @@ pub fn update<S: Store + ?Sized>(
     }
 }
 
+/// Read a key that contenders claim by compare-and-swap, creating it with
+/// `neutral` (a value every contender reads as "free") when it is absent.
+///
+/// Envoy's shared data has no compare-and-swap on an absent key: every
+/// write to one succeeds, so a first write can't pick one winner. So the
+/// key is created first and claimed by CAS from there, on a later call:
+/// `None` means "absent until now; created, try again". A creator never
+/// claims in the same call, so a create that lands late (after a peer's
+/// claim) can only wipe that claim, which its owner notices when it next
+/// renews; it can never make two owners.
+pub fn get_existing<S: Store + ?Sized>(
+    store: &S,
+    key: &str,
+    neutral: &[u8],
+) -> Option<(Option<Vec<u8>>, u32)> {
+    match store.get(key) {
+        (value, Some(cas)) => Some((value, cas)),
+        (_, None) => {
+            let _ = store.set(key, neutral, None);
+            None
+        }
+    }
+}
+
 /// Little-endian fixed-width field readers that return `None` on short
 /// input, so a truncated record decodes as absent instead of panicking.
 pub struct Reader<'a> {

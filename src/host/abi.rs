@@ -1,15 +1,98 @@
-//! Panic-free versions of the few host calls used on the request path.
+//! Panic-free versions of every host call the filter makes.
 //!
-//! The SDK's wrappers `panic!` on any status they don't expect (for example
-//! when Envoy refuses a header edit), and a panic traps the worker's VM. The
-//! ABI functions are declared here again returning the raw status code, so
-//! the filter gets an error value to count and log instead.
+//! The SDK's wrappers `panic!` on any status they don't expect (Envoy
+//! answers a header read on a failed callout with BadArgument, refuses a
+//! header edit, ...), and a panic traps the VM: every later request on
+//! that worker fails, and a scraper VM that traps hands the lease to the
+//! next VM, which traps the same way. The ABI functions are declared here
+//! again returning the raw status code, so the filter gets an error value
+//! to count and log instead. The one SDK call left is
+//! `dispatch_http_call` (the SDK must register the callout token); it
+//! panics only on statuses Envoy's `proxy_http_call` never returns.
 
 #![allow(clashing_extern_declarations)]
 
-use proxy_wasm::types::{MapType, MetricType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
 const OK: u32 = 0;
+const NOT_FOUND: u32 = 1;
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_log(level: LogLevel, message_data: *const u8, message_size: usize) -> u32;
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_get_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        max_size: usize,
+        return_buffer_data: *mut *mut u8,
+        return_buffer_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+        return_cas: *mut u32,
+    ) -> u32;
+}
+
+pub fn log(level: LogLevel, message: &str) {
+    // SAFETY: pointer and length of a live slice; the host copies it.
+    let _ = unsafe { proxy_log(level, message.as_ptr(), message.len()) };
+}
+
+/// Nanoseconds since the Unix epoch, if the host tells.
+pub fn current_time_ns() -> Option<u64> {
+    let mut t = 0u64;
+    // SAFETY: `t` outlives the call.
+    (unsafe { proxy_get_current_time_nanoseconds(&mut t) } == OK).then_some(t)
+}
+
+pub fn set_tick_period_ms(ms: u32) -> Result<(), u32> {
+    // SAFETY: no pointers.
+    check(unsafe { proxy_set_tick_period_milliseconds(ms) })
+}
+
+/// Take ownership of a host-allocated buffer (the SDK's exported allocator
+/// made it: a leaked `Vec<u8>` of exactly `size` bytes).
+///
+/// SAFETY: `data` must be null or such a buffer, not owned by anyone else.
+unsafe fn take_host_buffer(data: *mut u8, size: usize) -> Vec<u8> {
+    if data.is_null() {
+        Vec::new()
+    } else {
+        Vec::from_raw_parts(data, size, size)
+    }
+}
+
+/// Up to `max` bytes of a host buffer (request body, callout response
+/// body, plugin configuration); `None` when the host has none to give.
+pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Option<Vec<u8>> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a buffer pointer we then own (see above).
+    let status = unsafe { proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) };
+    let buf = unsafe { take_host_buffer(data, size) };
+    (status == OK).then_some(buf)
+}
+
+/// A shared-data value and its CAS token; `(None, None)` when absent.
+pub fn get_shared_data(key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), u32> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    let mut cas: u32 = 0;
+    // SAFETY: as `get_buffer`; `cas` outlives the call.
+    let status =
+        unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) };
+    let buf = unsafe { take_host_buffer(data, size) };
+    match status {
+        OK => Ok(((!data.is_null()).then_some(buf), (cas != 0).then_some(cas))),
+        NOT_FOUND => Ok((None, None)),
+        other => Err(other),
+    }
+}
 
 #[link(wasm_import_module = "env")]
 extern "C" {
@@ -74,10 +157,10 @@ pub fn get_headers(map: MapType) -> crate::headers::Pairs {
     // the SDK's exported allocator (a leaked Vec<u8> of exactly `size`
     // bytes), which we take ownership of once.
     let status = unsafe { proxy_get_header_map_pairs(map, &mut data, &mut size) };
-    if status != OK || data.is_null() {
+    let buf = unsafe { take_host_buffer(data, size) };
+    if status != OK {
         return Vec::new();
     }
-    let buf = unsafe { Vec::from_raw_parts(data, size, size) };
     crate::headers::parse(&buf)
 }
 

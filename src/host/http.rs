@@ -4,9 +4,8 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, MapType};
+use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::abi;
 use super::root::Worker;
@@ -69,10 +68,14 @@ impl Http {
             }
         };
         w.seq += 1;
+        #[cfg(feature = "fault-injection")]
         if cfg.debug_trap_on_request == Some(w.seq) {
-            // ok: deliberate and test-only (debug_trap_on_request): it
-            // exercises Envoy's failure_policy.
-            panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
+            // Deliberate, and only in the test build: it exercises Envoy's
+            // failure_policy.
+            #[allow(clippy::panic)]
+            {
+                panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
+            }
         }
         let choice = apply_mode(w, choice);
         let Some(&first) = choice.order.first() else {
@@ -141,7 +144,6 @@ impl Http {
         }
         if let Some(r) = s.replica(id) {
             r.routed.inc();
-            r.inflight.add(1);
         }
         // Zero increments are host calls for nothing: skip them.
         for (m, v) in [
@@ -266,10 +268,7 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         self.waiting_for_body = false;
-        let body = hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let body = abi::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
         self.proceed(Some(&body))
     }
 
@@ -277,14 +276,8 @@ impl HttpContext for Http {
         if self.waiting_for_body {
             // Trailers end the stream: the buffered body is complete.
             self.waiting_for_body = false;
-            let body = hostcalls::get_buffer(
-                proxy_wasm::types::BufferType::HttpRequestBody,
-                0,
-                self.body_limit(),
-            )
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+            let body = abi::get_buffer(BufferType::HttpRequestBody, 0, self.body_limit())
+                .unwrap_or_default();
             return self.proceed(Some(&body));
         }
         Action::Continue
@@ -307,8 +300,5 @@ impl HttpContext for Http {
         };
         let mut w = w.borrow_mut();
         w.board.finish(&SharedData, id, work, super::now_ms());
-        if let Some(r) = w.stats.replica(id) {
-            r.inflight.add(-1);
-        }
     }
 }

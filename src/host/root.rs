@@ -2,17 +2,17 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::ContextType;
+use proxy_wasm::types::{BufferType, ContextType};
 
+use super::abi;
 use super::http::Http;
 use super::scrape::Scraper;
 use super::shared::SharedData;
 use super::stats::Stats;
 use crate::config::Config;
-use crate::load::LoadBoard;
+use crate::load::{self, LoadBoard};
 use crate::route::Router;
 
 /// Everything one VM's HTTP contexts share (single-threaded: `Rc`).
@@ -38,13 +38,14 @@ impl Root {
     }
 }
 
+/// Never 0: owner 0 marks a free lease or load slot.
 fn owner_id() -> u64 {
     let mut b = [0u8; 8];
     if getrandom::fill(&mut b).is_err() {
         // No entropy: fall back to the clock, still distinct per VM start.
-        return super::now_ms() ^ 0x5bd1_e995_0000_0000;
+        return (super::now_ms() ^ 0x5bd1_e995_0000_0000) | 1;
     }
-    u64::from_le_bytes(b)
+    u64::from_le_bytes(b) | 1
 }
 
 impl Context for Root {
@@ -67,7 +68,7 @@ impl RootContext for Root {
         let bytes = if size == 0 {
             Vec::new()
         } else {
-            self.get_plugin_configuration().unwrap_or_default()
+            abi::get_buffer(BufferType::PluginConfiguration, 0, size).unwrap_or_default()
         };
         let config = match Config::parse(&bytes) {
             Ok(c) => c,
@@ -94,7 +95,13 @@ impl RootContext for Root {
         if router.config.scrape.is_some() || router.config.discovery.is_some() {
             self.scraper = Some(Scraper::new(owner));
         }
-        self.set_tick_period(Duration::from_millis(tick));
+        let tick = u32::try_from(tick).unwrap_or(u32::MAX);
+        if let Err(status) = abi::set_tick_period_ms(tick) {
+            // Without a timer there is no heartbeat and no scraping: refuse
+            // to start rather than route on state that never refreshes.
+            log::error!("prefix-router: could not set a {tick} ms timer: status {status}");
+            return false;
+        }
         log::info!(
             "prefix-router: configured with {} replicas, header `{}`",
             router.config.endpoints.len(),
@@ -119,6 +126,9 @@ impl RootContext for Root {
             // this VM shares this router, and the tick is at most the
             // discovery interval.
             w.router.refresh(&SharedData);
+            let w = &mut *w;
+            let live = load::snapshot(&SharedData, now, w.router.stale_ms());
+            w.stats.show_inflight(w.router.endpoints(), &live);
         }
         if let Some(s) = &mut self.scraper {
             s.tick(&w.borrow().router, now);

@@ -9,13 +9,16 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 
+use super::abi;
 use super::shared::SharedData;
 use super::stats::Metric;
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
+use crate::headers;
 use crate::metrics;
-use crate::replicas::{self, Lease};
+use crate::replicas::{self, Lease, Table};
 use crate::route::Router;
+use crate::scrape::{self as callout, CalloutError};
 
 /// Largest admin `/clusters` answer read (a pool of 1,024 hosts with stats
 /// is well under this).
@@ -59,6 +62,14 @@ pub struct Scraper {
     /// tick is O(replicas), not O(replicas x pending)).
     busy: HashSet<ReplicaId>,
     gauges: HashMap<ReplicaId, ReplicaGauges>,
+    /// The replica table as this VM (the only writer while it holds the
+    /// lease) knows it: responses update it in O(log n), and it is
+    /// published whole once a round of scrapes is in (or on the next
+    /// tick), not once per response.
+    table: Table,
+    /// Loaded from shared data since the lease was taken.
+    table_loaded: bool,
+    dirty: bool,
     eligible: Metric,
     takeovers: Metric,
     discovered: Metric,
@@ -76,6 +87,9 @@ impl Scraper {
             pending: HashMap::new(),
             busy: HashSet::new(),
             gauges: HashMap::new(),
+            table: Table::default(),
+            table_loaded: false,
+            dirty: false,
             eligible: g("eligible_replicas"),
             takeovers: c("scrape.lease_takeovers"),
             discovered: g("discovery.hosts"),
@@ -103,13 +117,23 @@ impl Scraper {
         // The lease outlives two missed renewals, so a new scraper takes
         // over within three intervals of the old one stopping.
         match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
-            Lease::Other => return,
+            Lease::Other => {
+                // Someone else writes the table now: ours goes stale.
+                self.table_loaded = false;
+                self.dirty = false;
+                return;
+            }
             Lease::TookOver => {
                 self.takeovers.inc();
                 log::info!("prefix-router: this VM took over metrics scraping");
             }
             Lease::Held => {}
         }
+        if !self.table_loaded {
+            self.table = Table::load(&SharedData);
+            self.table_loaded = true;
+        }
+        self.publish(router);
         if let Some(d) = &cfg.discovery {
             if now_ms >= self.next_discovery_ms
                 && !self.pending.values().any(|c| matches!(c, Call::Discovery))
@@ -129,6 +153,11 @@ impl Scraper {
         self.publish_eligible(router, now_ms);
         for ep in router.endpoints() {
             if self.busy.contains(&ep.id()) {
+                // Still no answer a whole interval later: count it as a
+                // failure now (a page that stalls after its headers would
+                // otherwise keep the replica eligible until the timeout).
+                // A late good answer resets the count.
+                self.record(ep, Err(()), now_ms);
                 continue;
             }
             let dest = Some((cfg.destination_header.as_str(), ep.as_str()));
@@ -140,7 +169,7 @@ impl Scraper {
                 Call::Metrics(ep.clone()),
                 scrape.timeout_ms,
             ) {
-                self.record(router, ep, Err(()), now_ms);
+                self.record(ep, Err(()), now_ms);
             }
         }
     }
@@ -181,6 +210,10 @@ impl Scraper {
         }
     }
 
+    /// Every way a callout can end lands here, and none of them traps:
+    /// headers and body are read through the panic-free ABI, and a missing
+    /// status (reset mid-body, timeout, connect error), a non-200, an
+    /// oversize or unreadable answer is a failed scrape, counted.
     pub fn on_response(&mut self, router: &Router, token: u32, body_size: usize, now_ms: u64) {
         let Some(call) = self.pending.remove(&token) else {
             return;
@@ -188,39 +221,23 @@ impl Scraper {
         if let Call::Metrics(e) = &call {
             self.busy.remove(&e.id());
         }
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        let ok = status.as_deref() == Some("200");
-        let read = |limit: usize| -> Result<Vec<u8>, String> {
-            if !ok {
-                return Err(format!(
-                    "status {}",
-                    status
-                        .as_deref()
-                        .unwrap_or("none (connect error or timeout)")
-                ));
-            }
-            if body_size > limit {
-                return Err(format!(
-                    "answer of {body_size} bytes is over the {limit}-byte limit"
-                ));
-            }
-            Ok(
-                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default(),
-            )
+        let response = abi::get_headers(MapType::HttpCallResponseHeaders);
+        let status = headers::get(&response, ":status");
+        let read = |limit: usize| -> Result<Vec<u8>, CalloutError> {
+            callout::check(status, body_size, limit)?;
+            abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok_or(CalloutError::Unreadable)
         };
         match call {
             Call::Discovery => {
                 let Some(d) = &router.config.discovery else {
                     return;
                 };
-                let found = read(MAX_ADMIN_BYTES).and_then(|b| {
-                    discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string())
-                });
+                let found = read(MAX_ADMIN_BYTES)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| {
+                        discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string())
+                    });
                 match found {
                     Ok(eps) => {
                         self.discovered.record(eps.len() as u64);
@@ -239,21 +256,22 @@ impl Scraper {
                 let Some(scrape) = &router.config.scrape else {
                     return;
                 };
-                let parsed = read(scrape.max_bytes).and_then(|b| {
-                    metrics::parse(scrape.engine, &b, scrape.max_bytes).map_err(|e| e.to_string())
-                });
+                let parsed = read(scrape.max_bytes)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| {
+                        metrics::parse(scrape.engine, &b, scrape.max_bytes)
+                            .map_err(|e| e.to_string())
+                    });
                 match parsed {
-                    Ok(m) => {
-                        let g = self.gauges(&ep);
-                        g.waiting.record(m.waiting.max(0.0) as u64);
-                        g.running.record(m.running.max(0.0) as u64);
-                        g.kv_percent.record((m.kv_usage * 100.0).round() as u64);
-                        self.record(router, &ep, Ok(&m), now_ms);
-                    }
+                    Ok(m) => self.record(&ep, Ok(&m), now_ms),
                     Err(why) => {
                         log::debug!("prefix-router: scrape of {ep} failed: {why}");
-                        self.record(router, &ep, Err(()), now_ms);
+                        self.record(&ep, Err(()), now_ms);
                     }
+                }
+                if self.busy.is_empty() {
+                    // The round is in: publish now rather than a tick later.
+                    self.publish(router);
                 }
             }
         }
@@ -261,20 +279,42 @@ impl Scraper {
 
     fn record(
         &mut self,
-        router: &Router,
         ep: &Endpoint,
         outcome: Result<&metrics::ReplicaMetrics, ()>,
         now_ms: u64,
     ) {
-        let g = self.gauges(ep);
-        if outcome.is_ok() {
-            g.ok.inc()
-        } else {
-            g.failed.inc()
+        if !self.table_loaded {
+            return;
         }
-        let known: Vec<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
-        if let Err(e) = replicas::record_scrape(&SharedData, ep.id(), outcome, &known, now_ms) {
-            log::debug!("prefix-router: replica table update lost: {e}");
+        self.table.record(ep.id(), outcome, now_ms);
+        self.dirty = true;
+        let row = self.table.row(ep.id()).cloned();
+        let g = self.gauges(ep);
+        if outcome.is_err() {
+            g.failed.inc();
+            return;
+        }
+        g.ok.inc();
+        // The row's sanitised values, not the page's: the gauges never
+        // show what the router doesn't believe.
+        if let Some(row) = row {
+            g.waiting.record(row.waiting as u64);
+            g.running.record(row.running as u64);
+            g.kv_percent.record((row.kv_usage * 100.0).round() as u64);
+        }
+    }
+
+    /// Write the table if it changed: rows of replicas that left the pool
+    /// dropped (O(replicas) once per round, not per response).
+    fn publish(&mut self, router: &Router) {
+        if !self.dirty {
+            return;
+        }
+        let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
+        self.table.retain(&known);
+        match self.table.publish(&SharedData) {
+            Ok(()) => self.dirty = false,
+            Err(e) => log::debug!("prefix-router: replica table not written: {e}"),
         }
     }
 

@@ -1,8 +1,6 @@
 //! `Store` over proxy-wasm shared data (one map per `vm_id`, shared by
 //! every VM in the Envoy process).
 
-use proxy_wasm::hostcalls;
-
 use super::abi;
 use crate::store::{Store, StoreError};
 
@@ -10,7 +8,9 @@ pub struct SharedData;
 
 impl Store for SharedData {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
+        // A failed read looks like an absent key: every record is
+        // optional, and a CAS write on it then fails safely.
+        abi::get_shared_data(key).unwrap_or((None, None))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@ use proxy_wasm::types::MetricType;
 
 use super::abi;
 use crate::endpoint::{Endpoint, ReplicaId};
+use crate::load::Load;
 use crate::score::Reason;
 
 /// A metric id, or nothing if the host refused to define it (then every
@@ -46,6 +47,9 @@ impl Metric {
 pub struct ReplicaStats {
     pub routed: Metric,
     pub inflight: Metric,
+    /// What this VM last recorded into `inflight` (host calls only on
+    /// change).
+    pub inflight_shown: Option<u64>,
 }
 
 impl ReplicaStats {
@@ -54,6 +58,7 @@ impl ReplicaStats {
         ReplicaStats {
             routed: Metric::define(MetricType::Counter, &format!("{P}.replica.{label}.routed")),
             inflight: Metric::define(MetricType::Gauge, &format!("{P}.replica.{label}.inflight")),
+            inflight_shown: None,
         }
     }
 }
@@ -134,6 +139,23 @@ impl Stats {
 
     pub fn replica(&self, id: ReplicaId) -> Option<&ReplicaStats> {
         self.replicas.get(&id)
+    }
+
+    /// Set the in-flight gauges from the pool's live load slots. A gauge
+    /// bumped per request by each VM would keep a dead VM's requests
+    /// forever; the slots of a dead VM expire, and so do its counts here.
+    pub fn show_inflight(&mut self, endpoints: &[Endpoint], load: &HashMap<ReplicaId, Load>) {
+        for e in endpoints {
+            self.ensure_replica(e);
+            let Some(r) = self.replicas.get_mut(&e.id()) else {
+                continue;
+            };
+            let now = load.get(&e.id()).map_or(0, |l| u64::from(l.requests));
+            if r.inflight_shown != Some(now) {
+                r.inflight.record(now);
+                r.inflight_shown = Some(now);
+            }
+        }
     }
 
     /// Per-replica stats, defined on first use for discovered replicas.

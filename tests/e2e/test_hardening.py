@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (
+    WASM,
+    WASM_FAULT,
     Backend,
     HEADER,
     backends,
@@ -21,8 +23,10 @@ from harness import (
 )
 
 
-def start(pool, envoy_mode="override_host", concurrency=2, failure_policy=None, buffer_limit=None, **plugin):
-    return filter_envoy(pool, plugin, envoy_mode, concurrency, buffer_limit, failure_policy)
+def start(
+    pool, envoy_mode="override_host", concurrency=2, failure_policy=None, buffer_limit=None, wasm_path=WASM, **plugin
+):
+    return filter_envoy(pool, plugin, envoy_mode, concurrency, buffer_limit, failure_policy, wasm_path)
 
 
 
@@ -61,7 +65,7 @@ def test_shadow_mode_routes_like_the_baseline_and_measures_the_gain():
 def test_vm_failure_policy(policy):
     with backends(2) as bs:
         pool = [b.addr for b in bs]
-        with start(pool, concurrency=1, failure_policy=policy, debug_trap_on_request=5) as envoy:
+        with start(pool, concurrency=1, failure_policy=policy, wasm_path=WASM_FAULT, debug_trap_on_request=5) as envoy:
             results = []
             for i in range(20):
                 status, headers, _ = request(envoy.port, body=completion(f"req {i} " * 20))
