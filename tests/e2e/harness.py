@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import re
 import signal
 import socket
@@ -23,13 +24,37 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "prefix_router.wasm"
+# The same module built with the test-only `fault-injection` feature
+# (`debug_trap_on_request`), for failure-policy tests; scripts/build makes it.
+WASM_FAULT = (
+    ROOT / "target" / "fault-injection" / "wasm32-wasip1" / "release" / "prefix_router.wasm"
+)
 ENVOY_DIR = ROOT / "envoy"
 HEADER = "x-gateway-destination-endpoint"
 
 
+# The Envoy binary under test. Default: the project venv's (scripts/setup);
+# PREFIX_ROUTER_ENVOY=/path/to/envoy runs the same tests against another
+# build (scripts/envoy-matrix uses it for each supported Envoy line).
+ENVOY_ENV = "PREFIX_ROUTER_ENVOY"
+
+
 def envoy_bin() -> str:
+    override = os.environ.get(ENVOY_ENV)
+    if override:
+        path = Path(override)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise RuntimeError(f"{ENVOY_ENV}={override} is not an executable file")
+        return str(path)
     venv = ROOT / ".venv" / "bin" / "envoy"
     return str(venv) if venv.exists() else "envoy"
+
+
+def envoy_version() -> str:
+    """`1.40.0`: the version of envoy_bin(), from `envoy --version`."""
+    out = subprocess.run([envoy_bin(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"/(\d+\.\d+\.\d+)/", out)
+    return m.group(1) if m else "unknown"
 
 
 def free_port() -> int:
@@ -194,6 +219,7 @@ def render_config(
     listen_port: int,
     admin_port: int,
     buffer_limit: int | None = None,
+    wasm_path: Path = WASM,
 ) -> dict:
     """Load envoy/<mode>.yaml and point it at our ports, module and pool."""
     name = {"original_dst": "envoy.yaml", "override_host": "envoy-override-host.yaml"}[mode]
@@ -204,8 +230,14 @@ def render_config(
     if buffer_limit:
         listener["per_connection_buffer_limit_bytes"] = buffer_limit
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    wasm = hcm["http_filters"][0]["typed_config"]["config"]
-    wasm["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    # The shipped configs remove a client's destination header with Envoy's
+    # header_mutation filter ahead of the wasm filter. Left out here, so that
+    # the client's header reaches the filter and the tests of the filter's
+    # own strip (test_foundation, test_hardening) test it; shipped_config()
+    # keeps the chain as shipped (test_strip.py).
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if not strips_destination(f)]
+    wasm = wasm_http_filter(hcm)["typed_config"]["config"]
+    wasm["vm_config"]["code"]["local"]["filename"] = str(wasm_path)
     wasm["configuration"]["value"] = plugin if isinstance(plugin, str) else json.dumps(plugin)
     cluster = cfg["static_resources"]["clusters"][0]
     if mode == "override_host":
@@ -232,6 +264,7 @@ def filter_envoy(
     concurrency: int = 2,
     buffer_limit: int | None = None,
     failure_policy: str | None = None,
+    wasm_path: Path = WASM,
 ) -> "Envoy":
     """Envoy with prefix-router in front of `pool`, on free ports. The
     plugin config is `{"endpoints": pool, **plugin}`; ORIGINAL_DST gets
@@ -239,10 +272,12 @@ def filter_envoy(
     plugin = {"endpoints": pool, **(plugin or {})}
     if envoy_mode == "original_dst":
         plugin.setdefault("max_fallbacks", 0)
-    cfg = render_config(envoy_mode, plugin, pool, free_port(), free_port(), buffer_limit=buffer_limit)
+    cfg = render_config(
+        envoy_mode, plugin, pool, free_port(), free_port(), buffer_limit=buffer_limit, wasm_path=wasm_path
+    )
     if failure_policy:
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        wasm = hcm["http_filters"][0]["typed_config"]["config"]
+        wasm = wasm_http_filter(hcm)["typed_config"]["config"]
         wasm["failure_policy"] = failure_policy
         if failure_policy == "FAIL_RELOAD":
             # Reload quickly for tests (the default backoff is 1 s).
@@ -403,3 +438,57 @@ def chat(messages: list[tuple[str, str]], stream: bool = False, model: str = "m"
         "max_tokens": 4,
         "stream": stream,
     }
+
+
+# --------------------------------------------------------------------------
+# The filter chain: the wasm filter and the destination-header strip
+
+
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+DEV_CONFIGS = {"original_dst": "envoy.yaml", "override_host": "envoy-override-host.yaml"}
+
+
+def is_wasm_filter(f: dict) -> bool:
+    """An HTTP filter entry that is Envoy's wasm filter, typed directly or
+    wrapped in a TypedStruct (as the Istio EnvoyFilters do)."""
+    tc = f.get("typed_config") or {}
+    return tc.get("@type") == WASM_TYPE or tc.get("type_url") == WASM_TYPE
+
+
+def wasm_http_filter(hcm: dict) -> dict:
+    """The (one) wasm filter of a connection manager's http_filters."""
+    (f,) = [f for f in hcm["http_filters"] if is_wasm_filter(f)]
+    return f
+
+
+def stripped_headers(f: dict) -> set[str]:
+    """Request headers an HTTP filter entry removes (header_mutation)."""
+    tc = f.get("typed_config") or {}
+    if f.get("disabled") or tc.get("@type") != HEADER_MUTATION_TYPE:
+        return set()
+    mutations = (tc.get("mutations") or {}).get("request_mutations") or []
+    return {m["remove"].lower() for m in mutations if "remove" in m}
+
+
+def strips_destination(f: dict, header: str = HEADER) -> bool:
+    return header in stripped_headers(f)
+
+
+def shipped_config(
+    mode: str,
+    plugin: dict | str,
+    pool: list[str],
+    listen_port: int,
+    admin_port: int,
+    wasm_path: Path = WASM,
+) -> dict:
+    """render_config() with the HTTP filter chain exactly as shipped in
+    envoy/<mode>.yaml (render_config leaves out the strip filter)."""
+    cfg = render_config(mode, plugin, pool, listen_port, admin_port, wasm_path=wasm_path)
+    shipped = yaml.safe_load((ENVOY_DIR / DEV_CONFIGS[mode]).read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ours = wasm_http_filter(hcm)
+    chain = shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [ours if is_wasm_filter(f) else f for f in chain["http_filters"]]
+    return cfg

@@ -5,7 +5,9 @@
   without obeying a client's destination header;
 - deploy/istio/*.yaml: well-formed Kubernetes/Istio objects whose Envoy
   fragments, assembled the way Istio applies them, validate and route
-  (remote module with its sha256, discovery, override_host via MERGE);
+  (remote module with its sha256, discovery, override_host via MERGE, a
+  2 MiB prompt through the buffer-limit patches), every patch guarded for
+  Istio 1.27+ proxies;
 - deploy/grafana + deploy/prometheus: every metric name in the dashboard
   and the alerts is one a real Envoy with the filter emits (after the
   scrape-time relabelling in prometheus.yml) or a vLLM metric;
@@ -502,10 +504,14 @@ def test_istio_manifests_are_well_formed_objects():
                 for key in ("listener", "cluster", "proxy"):
                     if key in cp["match"]:
                         check_keys(cp["match"][key], key, w)
-                if "listener" in cp["match"]:
+                if "filterChain" in cp["match"].get("listener", {}):
                     fc = cp["match"]["listener"]["filterChain"]
                     check_keys(fc, "filterChain", w)
                     check_keys(fc["filter"], "filter", w)
+                if cp["applyTo"] == "LISTENER":
+                    # Only the inference listener, never every listener.
+                    assert cp["patch"]["operation"] == "MERGE", w
+                    assert cp["match"]["listener"]["portNumber"], w
                 if cp["applyTo"] == "HTTP_FILTER":
                     assert cp["patch"]["operation"] == "INSERT_BEFORE", w
                     f_ = cp["match"]["listener"]["filterChain"]["filter"]
@@ -536,13 +542,6 @@ def test_istio_filter_config_points_at_the_pool_and_needs_istio_1_27():
         # plugin, so it ends up running first.
         http = [p["patch"]["value"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
         assert http == ["prefix-router-strip-destination", "prefix-router"], name
-        for p in ef["spec"]["configPatches"]:
-            if p["applyTo"] == "HTTP_FILTER":
-                rx = re.compile(p["match"]["proxy"]["proxyVersion"])
-                for version in ("1.27.0", "1.27.3", "1.28.1", "1.30.0-beta.1", "1.41.2"):
-                    assert rx.search(version), (name, version)
-                for version in ("1.26.6", "1.9.0", "1.2.7"):
-                    assert not rx.search(version), (name, version)
     (ef,) = envoyfilters("prefix-router-remote.yaml")
     remote = wasm_patch(ef)["config"]["vm_config"]["code"]["remote"]
     assert remote["http_uri"]["cluster"] == "prefix-router-module"
@@ -657,13 +656,18 @@ def istio_gateway(pool: list[str], listen_port: int, admin_port: int, locality: 
     }
 
 
-def apply_envoyfilter(cfg: dict, ef: dict, listener_port: int = 80) -> list[str]:
+def apply_envoyfilter(cfg: dict, ef: dict, listener_port: int = 80, proxy_version: str = "1.27.3") -> list[str]:
     """Apply an EnvoyFilter's patches to a GATEWAY config the way istiod
-    does for the patch kinds used here. Returns what was applied."""
+    does for the patch kinds used here, for a proxy of `proxy_version`
+    (Istio's version, which proxyVersion matches) whose inference listener
+    is on `listener_port`. Returns what was applied."""
     applied = []
     res = cfg["static_resources"]
     for p in ef["spec"]["configPatches"]:
         kind, op, value, match = p["applyTo"], p["patch"]["operation"], p["patch"]["value"], p["match"]
+        wanted = match.get("proxy", {}).get("proxyVersion")
+        if wanted and not re.search(wanted, proxy_version):
+            continue
         if kind == "CLUSTER" and op == "ADD":
             res["clusters"].append(copy.deepcopy(value))
             applied.append(f"add cluster {value['name']}")
@@ -681,15 +685,48 @@ def apply_envoyfilter(cfg: dict, ef: dict, listener_port: int = 80) -> list[str]
                 before = [f["name"] for f in filters].index(lm["filterChain"]["filter"]["subFilter"]["name"])
                 filters.insert(before, copy.deepcopy(value))
                 applied.append(f"insert {value['name']}")
+        elif kind == "LISTENER" and op == "MERGE":
+            if match["listener"].get("portNumber", listener_port) != listener_port:
+                continue
+            for listener in res["listeners"]:
+                merge(listener, value)
+                applied.append(f"merge listener {listener['name']}")
         else:
             raise AssertionError(f"unexpected patch {kind} {op}")
     return applied
 
 
-def assembled(variant: str, pool: list[str], listen_port: int, admin_port: int, locality: bool = False) -> dict:
+def is_buffer_patch(patch: dict) -> bool:
+    return "per_connection_buffer_limit_bytes" in patch["patch"]["value"]
+
+
+def assembled(
+    variant: str,
+    pool: list[str],
+    listen_port: int,
+    admin_port: int,
+    locality: bool = False,
+    buffer_limits: bool = True,
+) -> dict:
+    """The gateway's Envoy config after istiod applied pool-override-host.yaml
+    and prefix-router-<variant>.yaml (without the buffer-limit patches if
+    `buffer_limits` is false)."""
     cfg = istio_gateway(pool, listen_port, admin_port, locality)
     for ef in envoyfilters("pool-override-host.yaml", f"prefix-router-{variant}.yaml"):
+        if not buffer_limits:
+            ef = copy.deepcopy(ef)
+            ef["spec"]["configPatches"] = [p for p in ef["spec"]["configPatches"] if not is_buffer_patch(p)]
         assert apply_envoyfilter(cfg, ef)
+    return cfg
+
+
+def on_loopback(cfg: dict, admin_port: int, module: Path = WASM) -> dict:
+    """An assembled configmap variant, runnable here: the mounted module is
+    `module`, and the admin cluster (discovery) points at this Envoy's admin."""
+    cfg = json.loads(json.dumps(cfg).replace("/var/lib/prefix-router/prefix_router.wasm", str(module)))
+    clusters(cfg)["prefix-router-envoy-admin"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = lb_endpoints(
+        [f"127.0.0.1:{admin_port}"]
+    )
     return cfg
 
 
@@ -701,6 +738,12 @@ def test_istio_fragments_validate_in_envoy(variant):
     assert len(cs[ISTIO_POOL_CLUSTER]["load_balancing_policy"]["policies"]) == 1
     names = [f["name"] for f in hcm(cfg["static_resources"]["listeners"][0])["http_filters"]]
     assert names == ["prefix-router-strip-destination", "prefix-router", "envoy.filters.http.router"]
+    # Long prompts: the listener and the pool's cluster buffer 16 MiB, like
+    # envoy-production.yaml and the filter's max_body_bytes default.
+    prod = production_doc()
+    limit = listeners(prod)["inference"]["per_connection_buffer_limit_bytes"]
+    assert cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == limit == 16 << 20
+    assert cs[ISTIO_POOL_CLUSTER]["per_connection_buffer_limit_bytes"] == limit
     if variant == "configmap":
         # The mounted file: this build's module.
         text = json.dumps(cfg).replace("/var/lib/prefix-router/prefix_router.wasm", str(WASM))
@@ -725,6 +768,84 @@ def test_istio_cluster_merge_is_refused_next_to_locality_weighting():
     rc, out = validate(cfg)
     assert rc != 0
     assert "locality_weighted_lb_config" in out
+
+
+ISTIO_ENVOYFILTERS = ("pool-override-host.yaml", "prefix-router-remote.yaml", "prefix-router-configmap.yaml")
+
+
+def test_every_istio_patch_is_for_istio_1_27_or_later():
+    """Each patch (the pool's LB policy, the buffer limits, the added
+    clusters, the strip, the filter) carries the same proxyVersion guard:
+    Istio 1.27+ proxies, whose Envoy (>= 1.35) runs the filter. An older
+    gateway matched by the same selector keeps Istio's config untouched."""
+    for name in ISTIO_ENVOYFILTERS:
+        for ef in envoyfilters(name):
+            guards = {p["match"].get("proxy", {}).get("proxyVersion") for p in ef["spec"]["configPatches"]}
+            assert len(guards) == 1 and None not in guards, (name, guards)
+            rx = re.compile(guards.pop())
+            for version in ("1.27.0", "1.27.3", "1.28.1", "1.30.0-beta.1", "1.31.0", "1.41.2"):
+                assert rx.search(version), (name, version)
+            for version in ("1.26.6", "1.9.0", "1.2.7", "1.20.1"):
+                assert not rx.search(version), (name, version)
+    for variant in ("remote", "configmap"):
+        untouched = istio_gateway(["10.8.0.11:8000"], 8080, 15000)
+        cfg = copy.deepcopy(untouched)
+        for ef in envoyfilters("pool-override-host.yaml", f"prefix-router-{variant}.yaml"):
+            assert apply_envoyfilter(cfg, ef, proxy_version="1.26.6") == []
+        assert cfg == untouched
+
+
+def test_istio_listener_patches_match_only_the_inference_port():
+    """With a gateway listening on another port (a Helm-installed gateway
+    listens on the Service's targetPort, often 8080) `portNumber: 80`
+    matches nothing: no buffer limit, no strip, no filter. docs/deploy.md
+    says to set portNumber to the targetPort there."""
+    for variant in ("remote", "configmap"):
+        cfg = istio_gateway(["10.8.0.11:8000"], 8080, 15000)
+        applied = []
+        for ef in envoyfilters("pool-override-host.yaml", f"prefix-router-{variant}.yaml"):
+            applied += apply_envoyfilter(cfg, ef, listener_port=8080)
+        assert not [a for a in applied if "listener" in a or a.startswith("insert")], applied
+        listener = cfg["static_resources"]["listeners"][0]
+        assert [f["name"] for f in hcm(listener)["http_filters"]] == ["envoy.filters.http.router"]
+        assert "per_connection_buffer_limit_bytes" not in listener
+
+
+@pytest.mark.parametrize("buffer_limits", [True, False], ids=["with_buffer_patches", "without_them"])
+def test_istio_a_2_mib_prompt_needs_the_buffer_limit_patches(buffer_limits):
+    """Istio sets no per_connection_buffer_limit_bytes, so Envoy's 1 MiB
+    default applies and the filter, which buffers whole bodies, gets a 413
+    for a longer prompt. With the LISTENER/CLUSTER MERGE patches a 2 MiB
+    prompt is routed by the filter; without them it is a clean 413."""
+    with backends(2, metrics=vllm_metrics()) as bs:
+        pool = [b.addr for b in bs]
+        admin_port = free_port()
+        cfg = assembled("configmap", pool, free_port(), admin_port, buffer_limits=buffer_limits)
+        cfg = on_loopback(cfg, admin_port)
+        listener = cfg["static_resources"]["listeners"][0]
+        assert ("per_connection_buffer_limit_bytes" in listener) == buffer_limits
+        big = json.dumps(completion("Summarise this log. " + "x" * (2 << 20))).encode()
+        assert len(big) > 2 << 20
+        with Envoy(cfg) as envoy:
+            assert wait_until(lambda: envoy.stat("prefix_router.eligible_replicas") == 2)
+            status, headers, _ = request(envoy.port, body=big, timeout=60)
+            seen = [r for b in bs for r in b.requests if r["path"] == "/v1/completions"]
+            if buffer_limits:
+                assert status == 200
+                (r,) = seen
+                assert r["body_len"] == len(big)
+                # Routed by the filter: its pick is who served it.
+                assert r["dest"][0].split(",")[0] == f"127.0.0.1:{headers['x-served-by']}"
+                assert envoy.stat("prefix_router.requests_total") == 1
+            else:
+                assert status == 413
+                assert seen == []
+                # Clean: the next (normal) request is routed as usual.
+                status, headers, _ = request(envoy.port, body=completion("a short prompt " * 20))
+                assert status == 200
+                (r,) = [r for b in bs for r in b.requests if r["path"] == "/v1/completions"]
+                assert r["dest"][0].split(",")[0] == f"127.0.0.1:{headers['x-served-by']}"
+            assert envoy.stat(".inflight") == 0
 
 
 def test_istio_assembly_fetches_the_module_discovers_the_pool_and_routes():
