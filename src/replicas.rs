@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 
 use crate::endpoint::ReplicaId;
-use crate::metrics::ReplicaMetrics;
+use crate::metrics::{ReplicaMetrics, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
 use crate::store::{get_existing, Reader, Store, StoreError};
 
 const TABLE_KEY: &str = "prefix-router/replicas";
@@ -18,8 +18,6 @@ const LEASE_KEY: &str = "prefix-router/scrape-lease";
 const VERSION: u8 = 2;
 /// Bounds on what a record may carry (and a decoder will accept).
 pub const MAX_ROWS: usize = 4096;
-pub const MAX_ADAPTERS: usize = 16;
-pub const MAX_ADAPTER_BYTES: usize = 128;
 /// Largest queue/running count a row holds. Far above any real replica,
 /// and still finite in f32 (a page saying 1e308 must not turn into
 /// infinity and poison every reader's arithmetic).
@@ -130,8 +128,8 @@ impl Row {
 fn bounded(names: &[String]) -> Vec<String> {
     names
         .iter()
-        .filter(|n| !n.is_empty() && n.len() <= MAX_ADAPTER_BYTES)
-        .take(MAX_ADAPTERS)
+        .filter(|n| !n.is_empty() && n.len() <= MAX_LORA_NAME_BYTES)
+        .take(MAX_LORA_ADAPTERS)
         .cloned()
         .collect()
 }
@@ -274,7 +272,7 @@ fn decode_rows(r: &mut Reader) -> Option<Vec<Row>> {
 
 fn names(r: &mut Reader) -> Option<Vec<String>> {
     let n = r.u8()? as usize;
-    if n > MAX_ADAPTERS {
+    if n > MAX_LORA_ADAPTERS {
         return None;
     }
     let mut out = Vec::with_capacity(n);
