@@ -51,7 +51,7 @@ fn decision(c: &mut Criterion) {
                 &b,
                 |bench, b| {
                     bench.iter(|| {
-                        let cap = r.config.block_bytes * r.config.max_blocks;
+                        let cap = r.config.max_body_bytes;
                         let p = request::extract(b.as_bytes(), cap).expect("body");
                         let h = Hashed::of(&p, &r.config);
                         let c = r.decide(&store, &h, Meta::default(), 1000).expect("pool");
@@ -74,9 +74,9 @@ criterion_group! {
 fn parts(c: &mut Criterion) {
     let mut g = c.benchmark_group("parts");
     let r = router(8);
-    for &size in &[16 << 10, 256 << 10] {
+    for &size in &[16 << 10, 256 << 10, 1 << 20] {
         let b = body(size);
-        let cap = r.config.block_bytes * r.config.max_blocks;
+        let cap = r.config.max_body_bytes;
         g.bench_with_input(BenchmarkId::new("extract", size), &b, |bench, b| {
             bench.iter(|| request::extract(b.as_bytes(), cap).expect("body"))
         });

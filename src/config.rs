@@ -150,6 +150,10 @@ struct RawConfig {
     index_capacity: usize,
     #[serde(default = "default_index_stride")]
     index_stride: usize,
+    #[serde(default = "default_per_doubling")]
+    checkpoints_per_doubling: u32,
+    #[serde(default = "default_trunk_min_new")]
+    trunk_min_new_blocks: u32,
     #[serde(default)]
     weights: Weights,
     #[serde(default)]
@@ -218,6 +222,12 @@ fn default_index_capacity() -> usize {
 fn default_index_stride() -> usize {
     4
 }
+fn default_per_doubling() -> u32 {
+    8
+}
+fn default_trunk_min_new() -> u32 {
+    16
+}
 fn default_request_cost() -> u32 {
     8
 }
@@ -272,6 +282,10 @@ pub struct Config {
     pub max_blocks: usize,
     pub index_capacity: usize,
     pub index_stride: usize,
+    /// Past the dense window, checkpoints per doubling of their gap.
+    pub checkpoints_per_doubling: u32,
+    /// New content below a forked prefix that makes it a trunk (score).
+    pub trunk_min_new_blocks: u32,
     pub weights: Weights,
     pub load_measure: LoadMeasure,
     pub request_cost_blocks: u32,
@@ -354,6 +368,18 @@ impl Config {
             raw.index_stride as u64,
             1,
             raw.max_blocks as u64,
+        )?;
+        range(
+            "checkpoints_per_doubling",
+            u64::from(raw.checkpoints_per_doubling),
+            1,
+            64,
+        )?;
+        range(
+            "trunk_min_new_blocks",
+            u64::from(raw.trunk_min_new_blocks),
+            1,
+            1 << 20,
         )?;
         range(
             "request_cost_blocks",
@@ -457,6 +483,8 @@ impl Config {
             max_blocks: raw.max_blocks,
             index_capacity: raw.index_capacity,
             index_stride: raw.index_stride,
+            checkpoints_per_doubling: raw.checkpoints_per_doubling,
+            trunk_min_new_blocks: raw.trunk_min_new_blocks,
             weights: raw.weights,
             load_measure: raw.load_measure,
             request_cost_blocks: raw.request_cost_blocks,
@@ -475,6 +503,16 @@ impl Config {
             debug_trap_on_request: raw.debug_trap_on_request,
             discovery: raw.discovery,
         })
+    }
+
+    /// Where a prompt's checkpoints sit (see `prefix`): every
+    /// `index_stride` blocks in the first `max_blocks`, then sparser.
+    pub fn schedule(&self) -> crate::prefix::Schedule {
+        crate::prefix::Schedule {
+            stride: u32::try_from(self.index_stride).unwrap_or(u32::MAX),
+            dense: u32::try_from(self.max_blocks).unwrap_or(u32::MAX),
+            per_doubling: self.checkpoints_per_doubling,
+        }
     }
 
     /// Exact match on the path without its query string.

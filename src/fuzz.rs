@@ -17,8 +17,10 @@ pub fn request_body(data: &[u8]) {
     if let Ok(p) = request::extract(data, CAP) {
         assert!(p.text.len() <= CAP);
         let h = Hashed::of(&p, &cfg);
-        assert!(h.blocks.len() <= cfg.max_blocks);
-        assert_eq!(h.blocks.len(), p.text.len() / cfg.block_bytes);
+        assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);
+        assert!(h.checkpoints.windows(2).all(|w| w[0].blocks < w[1].blocks));
+        // Bounded by the schedule: dense window, then log2 of the length.
+        assert!(h.checkpoints.len() <= cfg.max_blocks / cfg.index_stride + 8 * 16 + 1);
     }
 }
 

@@ -10,22 +10,23 @@
 //! within their bucket. Memory bound: `capacity * ENTRY_BYTES` of values
 //! plus Envoy's per-key overhead for `capacity / WAYS` keys (see README).
 //!
-//! Only every `stride`-th block is indexed (a checkpoint). A lookup
-//! binary-searches the checkpoints, so it costs O(log(blocks/stride)) reads,
-//! and a record writes only the checkpoints the replica doesn't hold yet;
-//! matches are resolved to `stride` blocks, which is finer than any routing
-//! decision needs.
+//! Only a request's checkpoints are indexed (see `prefix::Schedule`:
+//! dense near the start, sparser deeper, one at the end). A lookup
+//! binary-searches them, so it costs O(log(checkpoints)) reads, and a
+//! record writes only the checkpoints the replica doesn't hold yet.
 
 use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
+use crate::prefix::Checkpoint;
 use crate::store::{update, Reader, Store, StoreError};
 
 pub const WAYS: usize = 8;
 pub const REPLICAS_PER_ENTRY: usize = 4;
 /// Bytes one full entry takes in its bucket value.
-pub const ENTRY_BYTES: usize = 8 + 1 + REPLICAS_PER_ENTRY * 12;
-const VERSION: u8 = 1;
+pub const ENTRY_BYTES: usize = 8 + 8 + 1 + 1 + REPLICAS_PER_ENTRY * 12;
+/// 2: entries carry what followed them (`child`, `forked`).
+const VERSION: u8 = 2;
 /// A held prefix is re-stamped at most this often, so hot entries stay
 /// young (not evicted) without a write per request.
 const REFRESH_S: u32 = 5;
@@ -35,6 +36,13 @@ const MAX_PROBES: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Entry {
     hash: u64,
+    /// Hash of the scheduled checkpoint first seen after this one (0:
+    /// none yet): a second, different one means the prefix branches.
+    child: u64,
+    /// Two different continuations have been seen: a shared trunk (a long
+    /// system prompt or tool list with many documents or sessions below
+    /// it), not one conversation's history.
+    forked: bool,
     holders: Vec<(ReplicaId, u32)>,
 }
 
@@ -59,6 +67,12 @@ fn decode(buf: &[u8]) -> Vec<Entry> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let hash = r.u64()?;
+            let child = r.u64()?;
+            let forked = match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            };
             let k = r.u8()? as usize;
             if k > REPLICAS_PER_ENTRY {
                 return None;
@@ -67,7 +81,12 @@ fn decode(buf: &[u8]) -> Vec<Entry> {
             for _ in 0..k {
                 holders.push((r.u64()?, r.u32()?));
             }
-            out.push(Entry { hash, holders });
+            out.push(Entry {
+                hash,
+                child,
+                forked,
+                holders,
+            });
         }
         r.is_empty().then_some(out)
     };
@@ -80,6 +99,8 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
     out.push(entries.len() as u8);
     for e in entries {
         out.extend_from_slice(&e.hash.to_le_bytes());
+        out.extend_from_slice(&e.child.to_le_bytes());
+        out.push(u8::from(e.forked));
         out.push(e.holders.len() as u8);
         for (id, ts) in &e.holders {
             out.extend_from_slice(&id.to_le_bytes());
@@ -104,6 +125,21 @@ pub fn check_codec(buf: &[u8]) {
 pub struct Matches {
     pub blocks: HashMap<ReplicaId, (u32, u32)>,
     pub probes: u32,
+    /// Where the request leaves what anyone holds, if it does.
+    pub branch: Option<Branch>,
+}
+
+/// The deepest checkpoint of a request that some replica holds, when the
+/// request goes on past it (new content below a known prefix).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Branch {
+    /// Index of that checkpoint in the request's list.
+    pub at: usize,
+    /// Blocks up to it.
+    pub held: u32,
+    /// Different continuations of it were seen before: a shared trunk.
+    pub forked: bool,
+    child: u64,
 }
 
 impl Matches {
@@ -123,15 +159,13 @@ pub struct RecordStats {
 
 pub struct PrefixIndex {
     buckets: usize,
-    stride: usize,
     max_retries: u32,
 }
 
 impl PrefixIndex {
-    pub fn new(capacity: usize, stride: usize) -> Self {
+    pub fn new(capacity: usize) -> Self {
         PrefixIndex {
             buckets: capacity.div_ceil(WAYS).max(1),
-            stride: stride.max(1),
             max_retries: 4,
         }
     }
@@ -141,14 +175,10 @@ impl PrefixIndex {
     }
 
     fn key(&self, hash: u64) -> String {
-        // FNV's low bits are weak on short inputs; fold the high half in.
+        // Bucket from the high bits too: cheap insurance against any
+        // structure in the low bits of the checkpoint hashes.
         let mixed = hash ^ (hash >> 29) ^ (hash >> 47);
         format!("prefix-router/idx/{}", mixed % self.buckets as u64)
-    }
-
-    /// Indices (into the request's block list) of its checkpoints.
-    fn checkpoints(&self, n_blocks: usize) -> impl Iterator<Item = usize> + '_ {
-        (self.stride - 1..n_blocks).step_by(self.stride)
     }
 
     fn probe<S: Store + ?Sized>(&self, store: &S, hash: u64) -> Option<Entry> {
@@ -162,13 +192,11 @@ impl PrefixIndex {
     /// then each replica seen along the way is refined by its own binary
     /// search between the deepest probe that had it and the shallowest that
     /// didn't. Probes are cached and capped at `MAX_PROBES`.
-    pub fn lookup<S: Store + ?Sized>(&self, store: &S, hashes: &[u64]) -> Matches {
-        let cps: Vec<usize> = self.checkpoints(hashes.len()).collect();
+    pub fn lookup<S: Store + ?Sized>(&self, store: &S, cps: &[Checkpoint]) -> Matches {
         let mut p = Prober {
             index: self,
             store,
-            hashes,
-            cps: &cps,
+            cps,
             cache: HashMap::new(),
         };
         // Deepest checkpoint held by anyone: [0, lo) held, [hi, m) not.
@@ -192,6 +220,16 @@ impl PrefixIndex {
             }
         }
         let mut m = Matches::default();
+        if lo > 0 && lo < cps.len() {
+            if let (Some(e), Some(cp)) = (p.get(lo - 1), cps.get(lo - 1)) {
+                m.branch = Some(Branch {
+                    at: lo - 1,
+                    held: cp.blocks,
+                    forked: e.forked,
+                    child: e.child,
+                });
+            }
+        }
         let seen: Vec<ReplicaId> = {
             let mut v: Vec<ReplicaId> = p
                 .cache
@@ -237,19 +275,20 @@ impl PrefixIndex {
                 .get(rlo - 1)
                 .and_then(|e| e.holders.iter().find(|h| h.0 == id).map(|h| h.1))
                 .unwrap_or(0);
-            m.blocks.insert(id, ((cps[rlo - 1] + 1) as u32, ts));
+            let blocks = cps.get(rlo - 1).map_or(0, |c| c.blocks);
+            m.blocks.insert(id, (blocks, ts));
         }
         m.probes = p.cache.len() as u32;
         m
     }
 
-    /// Stamp `replica` on every checkpoint of `hashes` it doesn't hold yet
-    /// (per `matched`/`stamped` from the lookup), or on all of them when its
+    /// Stamp `replica` on every checkpoint it doesn't hold yet (per
+    /// `matched`/`stamped` from the lookup), or on all of them when its
     /// stamp is older than the refresh period.
     pub fn record<S: Store + ?Sized>(
         &self,
         store: &S,
-        hashes: &[u64],
+        cps: &[Checkpoint],
         replica: ReplicaId,
         matched: u32,
         stamped: u32,
@@ -257,17 +296,19 @@ impl PrefixIndex {
     ) -> RecordStats {
         let mut stats = RecordStats::default();
         let fresh = now_s.saturating_sub(stamped) < REFRESH_S;
-        let skip_below = if fresh { matched as usize } else { 0 };
-        let cps: Vec<usize> = self
-            .checkpoints(hashes.len())
-            .filter(|cp| cp + 1 > skip_below)
-            .collect();
-        for cp in cps {
-            let hash = hashes[cp];
+        let skip_to = if fresh { matched } else { 0 };
+        for (i, cp) in cps.iter().enumerate().filter(|(_, c)| c.blocks > skip_to) {
+            let hash = cp.hash;
+            // What follows, if it is comparable (on the schedule): the
+            // entry's first continuation, for free with this write.
+            let child = cps
+                .get(i + 1)
+                .filter(|n| n.on_schedule)
+                .map_or(0, |n| n.hash);
             let mut outcome = (0, 0);
             let r = update(store, &self.key(hash), self.max_retries, |old| {
                 let mut entries = old.map(decode).unwrap_or_default();
-                outcome = stamp(&mut entries, hash, replica, now_s);
+                outcome = stamp(&mut entries, hash, child, replica, now_s);
                 Some(encode(&entries))
             });
             stats.writes += 1;
@@ -288,12 +329,44 @@ impl PrefixIndex {
     }
 }
 
+impl PrefixIndex {
+    /// Remember what followed the branch point of a request (its next
+    /// checkpoint, if that one is on the schedule, so two requests are
+    /// compared at the same depth): a second, different continuation marks
+    /// the prefix as a shared trunk. At most two writes per checkpoint
+    /// ever: none once it is forked or when the continuation is the known
+    /// one (a conversation's next turn).
+    pub fn note_branch<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        b: &Branch,
+    ) -> bool {
+        let (Some(at), Some(next)) = (cps.get(b.at), cps.get(b.at + 1)) else {
+            return false;
+        };
+        if b.forked || !next.on_schedule || b.child == next.hash {
+            return false;
+        }
+        update(store, &self.key(at.hash), self.max_retries, |old| {
+            let mut entries = old.map(decode).unwrap_or_default();
+            let e = entries.iter_mut().find(|e| e.hash == at.hash)?;
+            match e.child {
+                0 => e.child = next.hash,
+                c if c != next.hash && !e.forked => e.forked = true,
+                _ => return None,
+            }
+            Some(encode(&entries))
+        })
+        .is_ok()
+    }
+}
+
 /// Cached checkpoint reads for one lookup.
 struct Prober<'a, S: Store + ?Sized> {
     index: &'a PrefixIndex,
     store: &'a S,
-    hashes: &'a [u64],
-    cps: &'a [usize],
+    cps: &'a [Checkpoint],
     cache: HashMap<usize, Option<Entry>>,
 }
 
@@ -307,7 +380,7 @@ impl<S: Store + ?Sized> Prober<'_, S> {
         if self.cache.len() >= MAX_PROBES {
             return None;
         }
-        let hash = self.hashes[self.cps[j]];
+        let hash = self.cps.get(j)?.hash;
         let e = self
             .index
             .probe(self.store, hash)
@@ -319,8 +392,19 @@ impl<S: Store + ?Sized> Prober<'_, S> {
 
 /// Put (replica, now) into the entry for `hash`, creating it (and evicting
 /// the bucket's stalest entry when full). Returns (inserted, evicted).
-fn stamp(entries: &mut Vec<Entry>, hash: u64, replica: ReplicaId, now: u32) -> (u32, u32) {
+fn stamp(
+    entries: &mut Vec<Entry>,
+    hash: u64,
+    child: u64,
+    replica: ReplicaId,
+    now: u32,
+) -> (u32, u32) {
     if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
+        if e.child == 0 {
+            e.child = child;
+        } else if child != 0 && child != e.child {
+            e.forked = true;
+        }
         if let Some(h) = e.holders.iter_mut().find(|h| h.0 == replica) {
             h.1 = now;
         } else if e.holders.len() < REPLICAS_PER_ENTRY {
@@ -332,6 +416,8 @@ fn stamp(entries: &mut Vec<Entry>, hash: u64, replica: ReplicaId, now: u32) -> (
     }
     let fresh = Entry {
         hash,
+        child,
+        forked: false,
         holders: vec![(replica, now)],
     };
     if entries.len() < WAYS {
@@ -351,25 +437,33 @@ fn stamp(entries: &mut Vec<Entry>, hash: u64, replica: ReplicaId, now: u32) -> (
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prefix::{block_hashes, seed};
+    use crate::prefix::{checkpoints, seed, Schedule};
     use crate::store::MemStore;
 
-    fn hashes(tag: &str, blocks: usize) -> Vec<u64> {
+    const S: Schedule = Schedule {
+        stride: 4,
+        dense: 256,
+        per_doubling: 8,
+    };
+
+    /// Checkpoints of a prompt of `blocks` blocks of `tag` repeated.
+    fn hashes(tag: &str, blocks: usize) -> Vec<Checkpoint> {
         let text = tag.repeat(64 * blocks / tag.len() + 1);
-        block_hashes(seed("m", None), text.as_bytes(), 64, 256)
-            .into_iter()
-            .take(blocks)
-            .collect()
+        checkpoints(seed("m", None), &text.as_bytes()[..64 * blocks], 64, &S)
+    }
+
+    fn upto(cps: &[Checkpoint], blocks: u32) -> &[Checkpoint] {
+        &cps[..cps.iter().take_while(|c| c.blocks <= blocks).count()]
     }
 
     #[test]
     fn lookup_finds_leading_blocks_per_replica() {
         let s = MemStore::new();
-        let idx = PrefixIndex::new(4096, 4);
+        let idx = PrefixIndex::new(4096);
         let long = hashes("doc-one ", 64);
         assert_eq!(idx.lookup(&s, &long).blocks.len(), 0);
-        idx.record(&s, &long[..40], 1, 0, 0, 100);
-        idx.record(&s, &long[..16], 2, 0, 0, 100);
+        idx.record(&s, upto(&long, 40), 1, 0, 0, 100);
+        idx.record(&s, upto(&long, 16), 2, 0, 0, 100);
         let m = idx.lookup(&s, &long);
         assert_eq!(m.get(1), 40);
         assert_eq!(m.get(2), 16);
@@ -380,9 +474,52 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_with_two_continuations_is_a_trunk_one_that_grows_is_not() {
+        let s = MemStore::new();
+        let idx = PrefixIndex::new(4096);
+        let trunk = "system prompt and tools ".repeat(200);
+        let cps = |tail: &str| {
+            let t = format!("{trunk}{tail}");
+            checkpoints(seed("m", None), t.as_bytes(), 64, &S)
+        };
+        let first = cps(&"document one ".repeat(100));
+        idx.record(&s, &first, 1, 0, 0, 100);
+        // A conversation's next turn: the same continuation, longer.
+        let turn = cps(&format!(
+            "{}{}",
+            "document one ".repeat(100),
+            "reply ".repeat(50)
+        ));
+        let b = idx.lookup(&s, &turn).branch.unwrap();
+        assert!(!b.forked);
+        // The first continuation past the end of what was recorded.
+        assert!(idx.note_branch(&s, &turn, &b));
+        let later = cps(&format!(
+            "{}{}",
+            "document one ".repeat(100),
+            "reply ".repeat(90)
+        ));
+        let b = idx.lookup(&s, &later).branch.unwrap();
+        assert!(!b.forked);
+        assert!(
+            !idx.note_branch(&s, &later, &b),
+            "same continuation: no write"
+        );
+        // Another document below the same trunk.
+        let second = cps(&"document two ".repeat(100));
+        let b = idx.lookup(&s, &second).branch.unwrap();
+        assert!(b.held >= trunk.len() as u32 / 64 - 32 && !b.forked);
+        assert!(idx.note_branch(&s, &second, &b));
+        let third = cps(&"document three ".repeat(100));
+        let b = idx.lookup(&s, &third).branch.unwrap();
+        assert!(b.forked, "two different continuations seen: a trunk");
+        assert!(!idx.note_branch(&s, &third, &b));
+    }
+
+    #[test]
     fn record_skips_what_is_fresh_and_refreshes_what_is_old() {
         let s = MemStore::new();
-        let idx = PrefixIndex::new(4096, 4);
+        let idx = PrefixIndex::new(4096);
         let h = hashes("abc ", 32);
         assert_eq!(idx.record(&s, &h, 1, 0, 0, 100).writes, 8);
         let m = idx.lookup(&s, &h);
@@ -394,11 +531,15 @@ mod tests {
     #[test]
     fn entries_never_exceed_capacity_under_millions_of_inserts() {
         let s = MemStore::new();
-        let idx = PrefixIndex::new(1024, 1);
+        let idx = PrefixIndex::new(1024);
         let mut total = RecordStats::default();
         for i in 0..20_000u64 {
-            let h: Vec<u64> = (0..100u64)
-                .map(|b| i.wrapping_mul(1_000_003) ^ (b << 40) ^ b)
+            let h: Vec<Checkpoint> = (0..100u64)
+                .map(|b| Checkpoint {
+                    blocks: b as u32 + 1,
+                    hash: i.wrapping_mul(1_000_003) ^ (b << 40) ^ b,
+                    on_schedule: true,
+                })
                 .collect();
             let st = idx.record(&s, &h, i % 7, 0, 0, i as u32);
             total.inserted += st.inserted;
@@ -427,11 +568,13 @@ mod tests {
         let mut bucket: Vec<Entry> = (0..WAYS as u64)
             .map(|i| Entry {
                 hash: i,
+                child: 0,
+                forked: false,
                 holders: vec![(1, 10 + i as u32)],
             })
             .collect();
         bucket[3].holders[0].1 = 1;
-        assert_eq!(stamp(&mut bucket, 99, 2, 50), (0, 1));
+        assert_eq!(stamp(&mut bucket, 99, 0, 2, 50), (0, 1));
         assert!(bucket.iter().all(|e| e.hash != 3));
         assert!(bucket.iter().any(|e| e.hash == 99));
     }
@@ -440,7 +583,7 @@ mod tests {
     fn holder_list_is_bounded_and_replaces_the_oldest() {
         let mut bucket = Vec::new();
         for r in 0..REPLICAS_PER_ENTRY as u64 + 2 {
-            stamp(&mut bucket, 7, r, r as u32);
+            stamp(&mut bucket, 7, 0, r, r as u32);
         }
         assert_eq!(bucket[0].holders.len(), REPLICAS_PER_ENTRY);
         assert!(bucket[0].holders.iter().all(|h| h.0 >= 2));
@@ -450,6 +593,8 @@ mod tests {
     fn corrupt_or_truncated_buckets_read_as_empty() {
         let good = encode(&[Entry {
             hash: 5,
+            child: 6,
+            forked: true,
             holders: vec![(1, 2)],
         }]);
         assert_eq!(decode(&good).len(), 1);

@@ -1,17 +1,29 @@
-//! Rendered prompt bytes → chained block hashes.
+//! Rendered prompt bytes → checkpoint hashes along the whole prompt.
 //!
-//! `h_0 = H(seed, block_0)`, `h_i = H(h_{i-1}, block_i)`: each hash names the
-//! whole prefix up to and including its block, so "replica R holds block i"
-//! means R saw exactly this prefix. The seed carries the model (and cache
-//! salt): the same text sent to two models shares no cache on the server.
-//! H is xxh3-64 of the block seeded with the previous hash: fast (a 16 KiB
-//! window hashes in about a microsecond), allocation-free, and identical on
-//! wasm32 and x86_64 (it only reads bytes, little-endian).
+//! The prompt is cut into `block_bytes` blocks (only whole blocks count:
+//! the server caches whole blocks). A checkpoint closes a run of blocks,
+//! and its hash chains over everything before it:
+//! `h_j = H(h_{j-1}, bytes between checkpoint j-1 and j)`, seeded with the
+//! model (and cache salt), so one hash names a whole prefix.
+//!
+//! Where the checkpoints sit is the `Schedule`: every `stride` blocks in
+//! the dense window at the start (where prompts of one group diverge: a
+//! question after a shared document), then gaps that double every
+//! `per_doubling` checkpoints, and always one at the last whole block. So
+//! the prompt's identity reaches its end (a divergence at 900 KB is seen),
+//! while the checkpoints of a prompt of `n` blocks stay bounded:
+//! `dense / stride + per_doubling x log2(n / dense) + 1` (about 100 for
+//! 1 MiB with the defaults). A divergence deep in a long prompt is located
+//! to within one gap, at most `1 / per_doubling` of its depth.
+//!
+//! H is xxh3-64 seeded with the previous hash: one call per checkpoint
+//! over the whole run (bulk speed, not per block), allocation-free, and
+//! identical on wasm32 and x86_64.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Versioned so that a format change can't silently alias old index entries.
-const SEED_TAG: &[u8] = b"prefix-router/v2";
+const SEED_TAG: &[u8] = b"prefix-router/v3";
 
 pub fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
     let mut buf =
@@ -27,70 +39,201 @@ pub fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
     xxh3_64(&buf)
 }
 
-/// Hashes of the full `block_bytes` blocks of `text`, at most `max_blocks`.
-/// A trailing partial block is ignored: the server caches whole blocks only.
-pub fn block_hashes(seed: u64, text: &[u8], block_bytes: usize, max_blocks: usize) -> Vec<u64> {
+/// Where checkpoints sit, in blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedule {
+    /// Gap between checkpoints in the dense window (>= 1).
+    pub stride: u32,
+    /// Blocks at the start checkpointed every `stride`.
+    pub dense: u32,
+    /// Checkpoints per doubling of the gap past the dense window (>= 1).
+    pub per_doubling: u32,
+}
+
+impl Schedule {
+    /// Block counts at which a prompt of `total` whole blocks is
+    /// checkpointed: ascending, each > 0, the last one `total`.
+    pub fn points(&self, total: u32) -> Vec<u32> {
+        let mut out = self.scheduled(total);
+        if out.last().is_some_and(|&l| l < total) || (out.is_empty() && total > 0) {
+            out.push(total);
+        }
+        out
+    }
+
+    /// The scheduled points up to `total`, without the end.
+    fn scheduled(&self, total: u32) -> Vec<u32> {
+        let stride = self.stride.max(1);
+        let mut out = Vec::new();
+        let mut at = 0u32;
+        while at + stride <= self.dense.min(total) {
+            at += stride;
+            out.push(at);
+        }
+        // The first sparse gap is 1/per_doubling of the dense window, and
+        // it doubles whenever the depth has: the gap stays about
+        // depth / per_doubling all the way down.
+        let mut gap = stride
+            .saturating_mul(2)
+            .max(self.dense / self.per_doubling.max(1));
+        let mut in_gap = 0;
+        while let Some(next) = at.checked_add(gap).filter(|&n| n <= total) {
+            at = next;
+            out.push(at);
+            in_gap += 1;
+            if in_gap == self.per_doubling.max(1) {
+                in_gap = 0;
+                gap = gap.saturating_mul(2);
+            }
+        }
+        out
+    }
+}
+
+/// One checkpoint: the prefix of the first `blocks` blocks, and its hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub blocks: u32,
+    pub hash: u64,
+    /// On the schedule (every prompt long enough has it), not just the end
+    /// of this prompt: only these compare across prompts of other lengths.
+    pub on_schedule: bool,
+}
+
+/// The checkpoints of `text` (all of it, in whole `block_bytes` blocks).
+pub fn checkpoints(seed: u64, text: &[u8], block_bytes: usize, s: &Schedule) -> Vec<Checkpoint> {
     if block_bytes == 0 {
         return Vec::new();
     }
-    let n = (text.len() / block_bytes).min(max_blocks);
-    let mut out = Vec::with_capacity(n);
+    let total = u32::try_from(text.len() / block_bytes).unwrap_or(u32::MAX);
+    let scheduled = s.scheduled(total).len();
     let mut prev = seed;
-    for block in text.chunks_exact(block_bytes).take(n) {
-        prev = xxh3_64_with_seed(block, prev);
-        out.push(prev);
-    }
-    out
+    let mut from = 0usize;
+    s.points(total)
+        .into_iter()
+        .enumerate()
+        .map(|(i, blocks)| {
+            let to = blocks as usize * block_bytes;
+            prev = xxh3_64_with_seed(text.get(from..to).unwrap_or_default(), prev);
+            from = to;
+            Checkpoint {
+                blocks,
+                hash: prev,
+                on_schedule: i < scheduled,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const S: Schedule = Schedule {
+        stride: 4,
+        dense: 256,
+        per_doubling: 8,
+    };
+
+    fn hashes(text: &[u8]) -> Vec<Checkpoint> {
+        checkpoints(seed("m", None), text, 64, &S)
+    }
+
     #[test]
     fn golden_values_are_stable_across_platforms() {
         let s = seed("llama-3-8b", None);
-        let h = block_hashes(s, &[b'a'; 130], 64, 256);
-        assert_eq!(h.len(), 2, "only full blocks count");
+        let c = checkpoints(s, &[b'a'; 64 * 9 + 5], 64, &S);
         // Fixed values: a change here means every index entry in a running
         // fleet changes meaning. Bump SEED_TAG if that's intended.
-        assert_eq!(s, 2972115564684230692);
-        assert_eq!(h, vec![2904953859874108267, 16833073417953262646]);
+        assert_eq!(s, 15023179666319042219);
+        let got: Vec<(u32, u64)> = c.iter().map(|c| (c.blocks, c.hash)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (4, 12685756713379647248),
+                (8, 7237895646621333217),
+                (9, 7471578846549884847)
+            ]
+        );
+    }
+
+    #[test]
+    fn schedule_is_dense_then_doubles_and_ends_at_the_last_block() {
+        let p = S.points(2000);
+        assert_eq!(&p[..3], &[4, 8, 12]);
+        assert_eq!(p[63], 256);
+        // Gap 32 (256 / 8) for eight checkpoints, then 64...
+        assert_eq!(&p[64..66], &[288, 320]);
+        assert_eq!(p[71], 512);
+        assert_eq!(p[72], 576);
+        assert_eq!(*p.last().unwrap(), 2000);
+        assert!(p.windows(2).all(|w| w[0] < w[1]));
+        assert!(S.points(0).is_empty());
+        assert_eq!(S.points(3), vec![3]);
+        assert_eq!(S.points(4), vec![4]);
+    }
+
+    #[test]
+    fn checkpoints_per_request_are_bounded_by_the_log_of_its_length() {
+        for (bytes, most) in [
+            (16 << 10, 64),
+            (256 << 10, 97),
+            (1 << 20, 113),
+            (16 << 20, 145),
+        ] {
+            let n = S.points((bytes / 64) as u32).len();
+            assert!(n <= most, "{bytes} bytes: {n} checkpoints");
+        }
+    }
+
+    #[test]
+    fn a_divergence_at_any_depth_is_told_apart() {
+        let base: Vec<u8> = (0..1_000_000u32).map(|i| b'a' + (i % 23) as u8).collect();
+        let a = hashes(&base);
+        for at in [20_000usize, 100_000, 900_000] {
+            let mut other = base.clone();
+            other[at] = b'#';
+            let b = hashes(&other);
+            assert_ne!(a.last(), b.last(), "divergence at {at}");
+            // Everything before the divergence still matches...
+            let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+            let depth = a[shared - 1].blocks as usize * 64;
+            assert!(depth <= at, "{depth} > {at}");
+            // ...located to within one gap (1/8 of the depth).
+            assert!(at - depth <= at / 8 + 64 * 4, "at {at}: matched to {depth}");
+        }
     }
 
     #[test]
     fn chain_identifies_the_whole_prefix() {
-        let s = seed("m", None);
-        let a = block_hashes(s, b"0123456789abcdefXXXXXXXXXXXXXXXX", 16, 8);
-        let b = block_hashes(s, b"0123456789abcdeYXXXXXXXXXXXXXXXX", 16, 8);
-        assert_ne!(a[0], b[0]);
-        // Same second block, different first: the chain keeps them apart.
-        assert_ne!(a[1], b[1]);
-        let c = block_hashes(s, b"0123456789abcdefXXXXXXXXXXXXXXXXYYYY", 16, 8);
-        assert_eq!(&c[..2], &a[..]);
+        let a = hashes(&[b'x'; 64 * 12]);
+        let mut t = vec![b'x'; 64 * 12];
+        t[3] = b'y';
+        let b = hashes(&t);
+        assert!(a.iter().zip(&b).all(|(x, y)| x.hash != y.hash));
+        // A longer prompt with the same start shares its checkpoints.
+        let c = hashes(&[b'x'; 64 * 20 + 7]);
+        assert_eq!(&c[..3], &a[..3]);
     }
 
     #[test]
     fn model_and_salt_change_every_hash() {
-        let text = [7u8; 256];
-        let base = block_hashes(seed("m1", None), &text, 64, 8);
+        let text = [7u8; 512];
+        let base = checkpoints(seed("m1", None), &text, 64, &S);
         for other in [
             seed("m2", None),
             seed("m1", Some("s")),
             seed("m1", Some("")),
         ] {
-            let o = block_hashes(other, &text, 64, 8);
-            assert!(base.iter().zip(&o).all(|(a, b)| a != b));
+            let o = checkpoints(other, &text, 64, &S);
+            assert!(base.iter().zip(&o).all(|(a, b)| a.hash != b.hash));
         }
     }
 
     #[test]
-    fn window_and_block_cutoffs() {
-        let s = seed("m", None);
-        assert_eq!(block_hashes(s, &[1; 63], 64, 256).len(), 0);
-        assert_eq!(block_hashes(s, &[1; 64], 64, 256).len(), 1);
-        assert_eq!(block_hashes(s, &[1; 64 * 300], 64, 256).len(), 256);
-        assert_eq!(block_hashes(s, &[1; 64 * 300], 64, 10).len(), 10);
-        assert!(block_hashes(s, &[1; 64], 0, 10).is_empty());
+    fn only_whole_blocks_count() {
+        assert!(hashes(&[1; 63]).is_empty());
+        assert_eq!(hashes(&[1; 64]).len(), 1);
+        assert!(checkpoints(1, &[1; 64], 0, &S).is_empty());
     }
 }

@@ -2,9 +2,8 @@
 //! string, rendered the way it reaches the model server's prompt (tools
 //! first, then messages in order).
 //!
-//! Only the first `cap` bytes of the rendered prompt are kept: the prefix
-//! window is all routing needs, so a 16 MB prompt costs a parse but never a
-//! 16 MB copy.
+//! At most `cap` bytes of the rendered prompt are kept (the filter passes
+//! `max_body_bytes`: a prompt's identity reaches its end, see `prefix`).
 
 use std::borrow::Cow;
 
@@ -117,7 +116,9 @@ struct InputItem<'a> {
 /// Parse a body and render its prompt, keeping at most `cap` bytes.
 pub fn extract(body: &[u8], cap: usize) -> Result<Prompt, ParseError> {
     let b: Body = serde_json::from_slice(body)?;
-    let mut out = Render::new(cap);
+    // The rendering is about as long as the body: one allocation, no
+    // regrowth copies of a long prompt.
+    let mut out = Render::new(cap.min(body.len() + 256));
     if let Some(messages) = &b.messages {
         render_tools(&mut out, b.tools.as_ref(), b.functions.as_ref());
         for m in messages {
@@ -207,7 +208,7 @@ struct Render {
 impl Render {
     fn new(cap: usize) -> Self {
         Render {
-            buf: Vec::with_capacity(cap.min(64 * 1024)),
+            buf: Vec::with_capacity(cap),
             cap,
         }
     }

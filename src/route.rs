@@ -7,16 +7,11 @@ use crate::discovery;
 use crate::endpoint::Endpoint;
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
-use crate::prefix;
+use crate::prefix::{self, Checkpoint};
 use crate::replicas::{HealthPolicy, Row, Table};
 use crate::request::Prompt;
 use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
 use crate::store::Store;
-
-/// How many blocks feed the placement hash of a new prefix: deep enough to
-/// get past a shared system prompt, shallow enough that requests of one
-/// document group agree (2 KiB with the default 64-byte blocks).
-const PLACEMENT_BLOCKS: usize = 32;
 
 pub struct Router {
     pub config: Config,
@@ -30,25 +25,41 @@ pub struct Router {
     stale_ms: u64,
 }
 
-/// A request's prefix, hashed once and kept until the stream ends.
+/// A request's prefix, hashed once and kept until the stream ends: its
+/// checkpoints along the whole prompt, and its length in blocks.
 #[derive(Debug, Default, Clone)]
 pub struct Hashed {
-    pub blocks: Vec<u64>,
+    pub checkpoints: Vec<Checkpoint>,
 }
 
 impl Hashed {
     pub fn of(prompt: &Prompt, cfg: &Config) -> Hashed {
         let seed = prefix::seed(&prompt.model, prompt.cache_salt.as_deref());
         Hashed {
-            blocks: prefix::block_hashes(seed, &prompt.text, cfg.block_bytes, cfg.max_blocks),
+            checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule()),
         }
     }
 
-    fn placement(&self) -> u64 {
-        match self.blocks.len() {
-            0 => 0,
-            n => self.blocks[n.min(PLACEMENT_BLOCKS) - 1],
-        }
+    /// Whole blocks in the prompt (the last checkpoint ends there).
+    pub fn blocks(&self) -> u32 {
+        self.checkpoints.last().map_or(0, |c| c.blocks)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.checkpoints.is_empty()
+    }
+
+    /// The placement key of a request: the hash at its first checkpoint
+    /// no replica holds (the whole prompt's if every one is held). Content
+    /// below a shared trunk is keyed by where it diverges, not by the trunk,
+    /// so new documents after one long preamble spread over the pool, and
+    /// the same content gets the same key wherever it is seen.
+    fn placement(&self, held: u32) -> u64 {
+        self.checkpoints
+            .iter()
+            .find(|c| c.blocks > held)
+            .or(self.checkpoints.last())
+            .map_or(0, |c| c.hash)
     }
 }
 
@@ -140,6 +151,7 @@ impl Router {
             request_cost_blocks: config.request_cost_blocks,
             bounded_load_factor: config.bounded_load_factor,
             bounded_load_slack: config.bounded_load_slack_blocks,
+            trunk_min_new_blocks: config.trunk_min_new_blocks,
         };
         // A slot is dead after 10 missed heartbeats (and never sooner than
         // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
@@ -148,7 +160,7 @@ impl Router {
             endpoints: config.endpoints.clone(),
             discovered_only: vec![false; config.endpoints.len()],
             discovery_token: None,
-            index: PrefixIndex::new(config.index_capacity, config.index_stride),
+            index: PrefixIndex::new(config.index_capacity),
             params,
             stale_ms,
             config,
@@ -273,10 +285,10 @@ impl Router {
                 ),
             });
         }
-        let matches = if hashed.blocks.is_empty() {
+        let matches = if hashed.is_empty() {
             Matches::default()
         } else {
-            self.index.lookup(store, &hashed.blocks)
+            self.index.lookup(store, &hashed.checkpoints)
         };
         // The slot count is read every time (one host call): caching it
         // hid a just-started worker's slot, and its placements, from the
@@ -300,8 +312,16 @@ impl Router {
                 }
             })
             .collect();
-        let blocks = hashed.blocks.len() as u32;
-        let ranked = score::rank(&cands, blocks, hashed.placement(), &self.params);
+        let blocks = hashed.blocks();
+        let held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
+        // New content below a shared trunk is placed like a new prefix.
+        let trunk = matches
+            .branch
+            .filter(|b| {
+                b.forked && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
+            })
+            .map_or(0, |b| b.held);
+        let ranked = score::rank_below(&cands, blocks, trunk, hashed.placement(held), &self.params);
         let (matched, stamped) = ranked
             .order
             .first()
@@ -409,13 +429,16 @@ impl Router {
         };
         let new_blocks = choice.blocks.saturating_sub(choice.matched);
         board.start(store, ep.id(), choice.work, new_blocks, now_ms);
-        if hashed.blocks.is_empty() {
+        if hashed.is_empty() {
             return RecordStats::default();
+        }
+        if let Some(b) = &choice.matches.branch {
+            self.index.note_branch(store, &hashed.checkpoints, b);
         }
         let now_s = (now_ms / 1000) as u32;
         self.index.record(
             store,
-            &hashed.blocks,
+            &hashed.checkpoints,
             ep.id(),
             choice.matched,
             choice.stamped,
@@ -502,6 +525,87 @@ mod tests {
                 "replica {r} got {n} groups: {homes:?}"
             );
         }
+    }
+
+    /// A 40 KB shared preamble (longer than any fixed window), then one of
+    /// `doc` documents (about 1,500 tokens), then a question.
+    fn preambled(doc: usize, q: usize) -> String {
+        let preamble =
+            "You are a careful assistant. Tools: search(query), fetch(url). ".repeat(40_000 / 64);
+        let body = format!("Document {doc}: ").repeat(6_000 / 12);
+        format!(r#"{{"model":"m","prompt":"{preamble}{body} Question {q}?"}}"#)
+    }
+
+    #[test]
+    fn documents_below_a_long_shared_preamble_stick_and_spread() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let mut homes = std::collections::HashMap::new();
+        for q in 0..5 {
+            for d in 0..12 {
+                let h = hashed(&r, &preambled(d, q));
+                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+                r.commit(&s, &mut board, &c, &h, 1000);
+                board.finish(&s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
+                let home = *homes.entry(d).or_insert(c.order[0]);
+                assert_eq!(c.order[0], home, "document {d}, question {q}");
+                if q > 0 {
+                    assert_eq!(c.matched, c.blocks, "the whole document is held");
+                }
+            }
+        }
+        for replica in 0..4 {
+            let n = homes.values().filter(|&&h| h == replica).count();
+            assert!(
+                (2..=4).contains(&n),
+                "replica {replica} has {n} documents: {homes:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn work_estimates_grow_with_the_whole_prompt() {
+        let r = router("");
+        let s = MemStore::new();
+        let short = hashed(&r, &doc(1, 1));
+        let long = hashed(&r, &preambled(1, 1));
+        assert!(long.blocks() > 600, "{} blocks", long.blocks());
+        let ws = r.decide(&s, &short, Meta::default(), 0).unwrap().work;
+        let wl = r.decide(&s, &long, Meta::default(), 0).unwrap().work;
+        assert!(wl > 2 * ws, "long {wl} vs short {ws}");
+        // A replica busy with three long cold prefills looks busy.
+        let mut board = LoadBoard::new(1, 10_000);
+        for q in 0..3 {
+            let h = hashed(&r, &preambled(100 + q, q));
+            let mut c = r.decide(&s, &h, Meta::default(), 0).unwrap();
+            c.order = vec![0];
+            r.commit(&s, &mut board, &c, &h, 0);
+        }
+        for q in 0..20 {
+            let c = r
+                .decide(&s, &hashed(&r, &doc(50 + q, 0)), Meta::default(), 0)
+                .unwrap();
+            assert_ne!(c.order[0], 0);
+        }
+    }
+
+    #[test]
+    fn index_writes_per_request_are_bounded_whatever_its_length() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let text = "x".repeat(1 << 20);
+        let body = format!(r#"{{"model":"m","prompt":"{text}"}}"#);
+        let h = hashed(&r, &body);
+        let c = r.decide(&s, &h, Meta::default(), 0).unwrap();
+        let rec = r.commit(&s, &mut board, &c, &h, 0);
+        assert!(
+            rec.writes <= 113,
+            "{} writes for a 1 MiB prompt",
+            rec.writes
+        );
+        assert_eq!(c.blocks, (1 << 20) / 64);
     }
 
     #[test]

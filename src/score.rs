@@ -66,6 +66,8 @@ pub enum Reason {
     LoadSpill,
     /// Nobody holds any of the prefix: placed by load and rendezvous.
     NewPrefix,
+    /// New content below a shared trunk: placed like a new prefix.
+    NewBranch,
     /// No prompt to hash (no body, not an inference path, parse error).
     NoPrompt,
 }
@@ -76,6 +78,7 @@ impl Reason {
             Reason::PrefixHit => "prefix_hit",
             Reason::LoadSpill => "load_spill",
             Reason::NewPrefix => "new_prefix",
+            Reason::NewBranch => "new_branch",
             Reason::NoPrompt => "no_prompt",
         }
     }
@@ -90,6 +93,10 @@ pub struct ScoreParams {
     /// Absolute headroom (blocks) under which no replica counts as
     /// overloaded: at low load, the cost comparison alone decides.
     pub bounded_load_slack: u32,
+    /// New content (blocks) a request must bring below a forked prefix to
+    /// be placed as new content below a trunk (see `rank_below`); shorter
+    /// continuations (a question) stay with the prefix's holders.
+    pub trunk_min_new_blocks: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -123,6 +130,24 @@ impl ScoreParams {
 /// Rank `cands` for a request of `blocks` prefix blocks. `placement` is the
 /// request's placement hash (0 when it has none). Empty input → empty order.
 pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -> Ranked {
+    rank_below(cands, blocks, 0, placement, p)
+}
+
+/// `rank` for a request that brings new content below a shared trunk of
+/// `trunk` blocks (a prefix that already branched: a long system prompt
+/// or tool list with many documents or sessions below it). Every replica
+/// is priced as if it held the trunk: a copy costs one prefill, once per
+/// replica, while piling every new document onto the replicas that hold
+/// the trunk stampedes them. So new content below a trunk is placed by
+/// load, recent placements and rendezvous, like a new prefix; the
+/// followers of each document then stick to it as usual.
+pub fn rank_below(
+    cands: &[Candidate],
+    blocks: u32,
+    trunk: u32,
+    placement: u64,
+    p: &ScoreParams,
+) -> Ranked {
     if cands.is_empty() {
         return Ranked {
             order: Vec::new(),
@@ -144,7 +169,8 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
                 c.matched.min(blocks)
             } else {
                 0
-            };
+            }
+            .max(trunk.min(blocks));
             let w = &p.weights;
             w.prefix * blocks.saturating_sub(credit) as f64
                 + w.load * load
@@ -182,7 +208,10 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
                 rendezvous(placement, cands[b].id).cmp(&rendezvous(placement, cands[a].id))
             })
     });
-    let reason = reason(cands, &order, blocks);
+    let reason = match reason(cands, &order, blocks) {
+        Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
+        r => r,
+    };
     Ranked {
         order,
         costs,
@@ -243,6 +272,7 @@ mod tests {
             request_cost_blocks: 8,
             bounded_load_factor: 1.5,
             bounded_load_slack: 64,
+            trunk_min_new_blocks: 16,
         }
     }
 

@@ -194,7 +194,8 @@ fn hash_body(w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
     let Some(b) = body else {
         return (Hashed::default(), None);
     };
-    match request::extract(b, cfg.block_bytes * cfg.max_blocks) {
+    // The whole prompt: its checkpoints reach its end (see `prefix`).
+    match request::extract(b, cfg.max_body_bytes) {
         Ok(prompt) => (Hashed::of(&prompt, cfg), Some(prompt.model)),
         Err(e) => {
             // Debug level: a client sending junk must not flood logs.

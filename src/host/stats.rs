@@ -68,6 +68,7 @@ pub struct Stats {
     pub prefix_hit: Metric,
     pub load_spill: Metric,
     pub new_prefix: Metric,
+    pub new_branch: Metric,
     pub no_prompt: Metric,
     pub parse_errors: Metric,
     pub body_too_large: Metric,
@@ -105,6 +106,7 @@ impl Stats {
             prefix_hit: c("decision.prefix_hit"),
             load_spill: c("decision.load_spill"),
             new_prefix: c("decision.new_prefix"),
+            new_branch: c("decision.new_branch"),
             no_prompt: c("decision.no_prompt"),
             parse_errors: c("parse_errors"),
             body_too_large: c("body_too_large"),
@@ -133,6 +135,7 @@ impl Stats {
             Reason::PrefixHit => self.prefix_hit,
             Reason::LoadSpill => self.load_spill,
             Reason::NewPrefix => self.new_prefix,
+            Reason::NewBranch => self.new_branch,
             Reason::NoPrompt => self.no_prompt,
         }
     }

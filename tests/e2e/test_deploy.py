@@ -1109,6 +1109,7 @@ def test_dashboard_and_alerts_only_use_emitted_or_vllm_metrics(emitted):
         "prefix_router_decision_prefix_hit",
         "prefix_router_decision_load_spill",
         "prefix_router_decision_new_prefix",
+        "prefix_router_decision_new_branch",
         "prefix_router_decision_no_prompt",
         "prefix_router_shed_429",
         "prefix_router_unavailable_503",

@@ -111,3 +111,37 @@ def test_multi_turn_conversations_stay_on_their_replica():
                 history.append(("assistant", f"Answer {turn} for {c}. " * 5))
         for c, served in homes.items():
             assert len(set(served)) == 1, (c, served)
+
+
+def preamble() -> str:
+    # About 40 KB: a system prompt and tool definitions, longer than the
+    # 16 KiB dense window, shared by every request.
+    tools = "".join(
+        f'{{"name": "tool_{i}", "description": "Does task {i} for the agent", '
+        f'"parameters": {{"type": "object", "properties": {{"arg": {{"type": "string"}}}}}}}}\n'
+        for i in range(300)
+    )
+    return "You are a careful assistant with these tools:\n" + tools
+
+
+def test_documents_below_a_long_shared_preamble_stick_and_spread():
+    """40 KB shared preamble, 12 documents x 5 questions, 4 replicas: every
+    document's questions land on one replica, and the documents spread 2-4
+    per replica instead of piling onto the preamble's first holder."""
+    shared = preamble()
+    assert len(shared) > 40_000
+    with backends(4) as bs, start([b.addr for b in bs], concurrency=2) as envoy:
+        homes = defaultdict(Counter)
+        for q in range(5):
+            for d in range(12):
+                messages = [("system", shared), ("user", doc(d) + f" Question {q}?")]
+                status, headers, _ = request(envoy.port, body=chat(messages))
+                assert status == 200
+                homes[d][headers["x-served-by"]] += 1
+        for d, served in homes.items():
+            assert len(served) == 1, (d, served)
+        per_replica = Counter(next(iter(s)) for s in homes.values())
+        assert len(per_replica) == 4 and all(2 <= n <= 4 for n in per_replica.values()), per_replica
+        assert envoy.stat("prefix_router.decision.new_branch") >= 8
+        # Questions after the first find their whole document held.
+        assert envoy.stat("prefix_router.decision.prefix_hit") >= 48
