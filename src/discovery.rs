@@ -130,6 +130,32 @@ pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, Disco
 }
 
 /// Publish the discovered set (written by the scraper VM).
+/// The admin path that lists only `cluster`: `filter` (an RE2 match on
+/// the cluster name, Envoy >= 1.38) keeps the page a few KB on a mesh
+/// gateway whose full page lists thousands of clusters (about 2 KB each:
+/// 10 MB at 5,000, over the read limit). Older Envoys ignore the parameter
+/// and send the full page, which `parse_clusters` filters.
+pub fn admin_path(cluster: &str) -> String {
+    let mut re = String::with_capacity(cluster.len() * 2 + 2);
+    re.push('^');
+    for c in cluster.chars() {
+        if c.is_ascii_punctuation() && c != '_' && c != '-' {
+            re.push('\\');
+        }
+        re.push(c);
+    }
+    re.push('$');
+    let mut path = String::from("/clusters?format=json&filter=");
+    for b in re.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            path.push(b as char);
+        } else {
+            path.push_str(&format!("%{b:02X}"));
+        }
+    }
+    path
+}
+
 pub fn publish<S: Store + ?Sized>(store: &S, eps: &[Endpoint]) {
     let mut out = Vec::with_capacity(4 + eps.len() * 24);
     out.extend_from_slice(&(eps.len() as u32).to_le_bytes());
@@ -181,6 +207,20 @@ pub fn check_admin_json(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_admin_query_names_exactly_one_cluster() {
+        assert_eq!(
+            admin_path("pool"),
+            "/clusters?format=json&filter=%5Epool%24"
+        );
+        // An Istio name: every metacharacter escaped, then URL-encoded.
+        assert_eq!(
+            admin_path("outbound|8000||vllm.default.svc"),
+            "/clusters?format=json&filter=%5Eoutbound%5C%7C8000%5C%7C%5C%7Cvllm%5C.default%5C.svc%24"
+        );
+    }
+
     use crate::store::MemStore;
 
     const ADMIN: &str = r#"{"cluster_statuses":[

@@ -141,7 +141,7 @@ impl Scraper {
                 self.next_discovery_ms = now_ms + d.interval_ms;
                 self.dispatch(
                     &d.admin_cluster,
-                    "/clusters?format=json",
+                    &discovery::admin_path(&d.cluster),
                     "admin",
                     None,
                     Call::Discovery,
