@@ -51,9 +51,7 @@ fn decision(c: &mut Criterion) {
                 &b,
                 |bench, b| {
                     bench.iter(|| {
-                        let cap = r.config.max_body_bytes;
-                        let p = request::extract(b.as_bytes(), cap).expect("body");
-                        let h = Hashed::of(&p, &r.config);
+                        let (_, h) = Hashed::parse(b.as_bytes(), &r.config).expect("body");
                         let c = r.decide(&store, &h, Meta::default(), 1000).expect("pool");
                         std::hint::black_box(r.header_value(&c))
                     })
@@ -83,6 +81,19 @@ fn parts(c: &mut Criterion) {
         let p = request::extract(b.as_bytes(), cap).expect("body");
         g.bench_with_input(BenchmarkId::new("hash", size), &p, |bench, p| {
             bench.iter(|| Hashed::of(p, &r.config))
+        });
+        g.bench_with_input(BenchmarkId::new("parse_and_hash", size), &b, |bench, b| {
+            bench.iter(|| Hashed::parse(b.as_bytes(), &r.config).expect("body"))
+        });
+        // The rest of a decision: index lookup, load snapshot, ranking
+        // (the document warm on one replica).
+        let store = MemStore::new();
+        let mut board = LoadBoard::new(1, 60_000);
+        let (_, h) = Hashed::parse(b.as_bytes(), &r.config).expect("body");
+        let first = r.decide(&store, &h, Meta::default(), 1000).expect("pool");
+        r.commit(&store, &mut board, &first, &h, 1000);
+        g.bench_with_input(BenchmarkId::new("decide", size), &h, |bench, h| {
+            bench.iter(|| r.decide(&store, h, Meta::default(), 1000).expect("pool"))
         });
     }
     g.finish();

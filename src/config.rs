@@ -1,10 +1,13 @@
 //! Plugin configuration: the JSON string in Envoy's wasm `configuration`.
 //!
-//! Parsing is strict on purpose: an unknown key is usually a typo that would
-//! silently leave a default in force, so the plugin refuses to start and the
-//! error names the key.
+//! One struct, deserialized as it stands: every key's default is in
+//! `Default`, and `validate` checks what types can't (ranges, header
+//! names, the endpoint list). Parsing is strict on purpose: an unknown key
+//! is usually a typo that would silently leave a default in force, so the
+//! plugin refuses to start and the error names the key.
 
 use std::collections::HashSet;
+use std::fmt;
 
 use serde::Deserialize;
 use thiserror::Error;
@@ -13,12 +16,17 @@ use crate::endpoint::Endpoint;
 pub use crate::metrics::Engine;
 
 pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub const DEFAULT_AFFINITY_HEADER: &str = "x-prefix-router-affinity";
 /// Upper bounds that keep every per-request loop and allocation bounded,
 /// whatever an operator writes.
 pub const MAX_ENDPOINTS: usize = 1024;
 pub const MAX_FALLBACKS: usize = 8;
 pub const MAX_BLOCKS: usize = 4096;
 pub const MAX_INDEX_CAPACITY: usize = 16 * 1024 * 1024;
+pub const MAX_GATEWAYS: u32 = 64;
+/// Shortest affinity key: HMAC-SHA256 is only as strong as a key of its
+/// output size.
+pub const MIN_AFFINITY_KEY_BYTES: usize = 32;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -26,14 +34,128 @@ pub enum ConfigError {
     Json(#[from] serde_json::Error),
     #[error("configuration is not UTF-8")]
     NotUtf8,
-    #[error("`endpoints`: {0}")]
-    Endpoints(String),
-    #[error("`destination_header`: `{0}` is not a valid lowercase HTTP header name")]
-    HeaderName(String),
-    #[error("`inference_paths`: {0}")]
-    Paths(String),
     #[error("`{key}`: {why}")]
-    Range { key: &'static str, why: String },
+    Invalid { key: &'static str, why: String },
+}
+
+/// The plugin configuration. JSON keys are the field names, except
+/// `endpoints` (`static_endpoints` here). Built by `parse`, so the rest of
+/// the filter never sees an empty pool or a bad header name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The replicas listed in the configuration (JSON `endpoints`). The
+    /// live pool, which discovery extends, is `Router::endpoints()`.
+    #[serde(rename = "endpoints")]
+    pub static_endpoints: Vec<Endpoint>,
+    pub discovery: Option<Discovery>,
+    pub destination_header: String,
+    pub inference_paths: Vec<String>,
+    pub max_fallbacks: usize,
+    pub max_body_bytes: usize,
+    pub debug_header: bool,
+    pub block_bytes: usize,
+    pub max_blocks: usize,
+    pub index_capacity: usize,
+    pub index_stride: usize,
+    /// Past the dense window, checkpoints per doubling of their gap.
+    pub checkpoints_per_doubling: u32,
+    /// New content below a forked prefix that makes it a trunk (score).
+    pub trunk_min_new_blocks: u32,
+    pub weights: Weights,
+    pub load_measure: LoadMeasure,
+    pub request_cost_blocks: u32,
+    pub bounded_load_factor: f64,
+    pub bounded_load_slack_blocks: u32,
+    pub tick_ms: u64,
+    // The scraping keys, read through `scrape`.
+    cluster: Option<String>,
+    metrics_cluster: Option<String>,
+    metrics_path: String,
+    engine: Engine,
+    scrape_interval_ms: u64,
+    scrape_timeout_ms: u64,
+    max_metrics_bytes: usize,
+    /// Scraping, when a cluster to reach the replicas through is named
+    /// (`cluster` or `metrics_cluster`): set by `parse` from the keys above.
+    #[serde(skip)]
+    pub scrape: Option<Scrape>,
+    pub staleness_ms: u64,
+    pub unhealthy_after: u32,
+    pub queue_threshold: f64,
+    pub kv_threshold: f64,
+    pub priority_header: String,
+    pub mode: Mode,
+    pub shadow_baseline: Baseline,
+    /// Independent Envoy instances (gateway pods) in front of the same
+    /// replicas.
+    pub gateways: u32,
+    /// Session affinity across gateway instances, when configured.
+    pub affinity: Option<Affinity>,
+    /// Test-only fault injection, compiled in only with the
+    /// `fault-injection` feature (release modules reject the key as
+    /// unknown): the VM traps on its N-th request, to exercise Envoy's
+    /// `failure_policy`.
+    #[cfg(feature = "fault-injection")]
+    pub debug_trap_on_request: Option<u64>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            static_endpoints: Vec::new(),
+            discovery: None,
+            destination_header: DEFAULT_DESTINATION_HEADER.into(),
+            inference_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            max_fallbacks: 0,
+            max_body_bytes: 16 << 20,
+            debug_header: false,
+            block_bytes: 64,
+            max_blocks: 256,
+            index_capacity: 65_536,
+            index_stride: 4,
+            checkpoints_per_doubling: 8,
+            trunk_min_new_blocks: 16,
+            weights: Weights::default(),
+            load_measure: LoadMeasure::default(),
+            request_cost_blocks: 8,
+            bounded_load_factor: 3.0,
+            bounded_load_slack_blocks: 64,
+            tick_ms: 100,
+            cluster: None,
+            metrics_cluster: None,
+            metrics_path: "/metrics".into(),
+            engine: Engine::default(),
+            scrape_interval_ms: 100,
+            scrape_timeout_ms: 1000,
+            max_metrics_bytes: 1 << 20,
+            scrape: None,
+            staleness_ms: 2000,
+            unhealthy_after: 3,
+            queue_threshold: 5.0,
+            kv_threshold: 0.8,
+            priority_header: "x-prefix-router-priority".into(),
+            mode: Mode::default(),
+            shadow_baseline: Baseline::default(),
+            gateways: 1,
+            affinity: None,
+            #[cfg(feature = "fault-injection")]
+            debug_trap_on_request: None,
+        }
+    }
+}
+
+/// How replica metrics are scraped.
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    /// Envoy cluster the GETs go through (the destination header picks the
+    /// replica, so no cluster per replica is needed).
+    pub cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub max_bytes: usize,
+    pub engine: Engine,
 }
 
 /// Relative weights of the score terms (see `score`).
@@ -111,397 +233,168 @@ pub enum LoadMeasure {
 /// Follow the pool's hosts from Envoy's admin `/clusters` instead of (or
 /// besides) a static list.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Discovery {
-    /// The Envoy cluster whose hosts are the replicas.
+    /// The Envoy cluster whose hosts are the replicas (required).
     pub cluster: String,
-    /// A cluster that reaches Envoy's admin listener (see README: security).
+    /// A cluster that reaches Envoy's admin listener (see README: security;
+    /// required).
     pub admin_cluster: String,
-    #[serde(default = "default_discovery_interval")]
     pub interval_ms: u64,
 }
 
-fn default_discovery_interval() -> u64 {
-    1000
+impl Default for Discovery {
+    fn default() -> Self {
+        Discovery {
+            cluster: String::new(),
+            admin_cluster: String::new(),
+            interval_ms: 1000,
+        }
+    }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
-    #[serde(default)]
-    endpoints: Vec<String>,
-    #[serde(default)]
-    discovery: Option<Discovery>,
-    #[serde(default = "default_header")]
-    destination_header: String,
-    #[serde(default = "default_paths")]
-    inference_paths: Vec<String>,
-    #[serde(default)]
-    max_fallbacks: usize,
-    #[serde(default = "default_max_body")]
-    max_body_bytes: usize,
-    #[serde(default)]
-    debug_header: bool,
-    #[serde(default = "default_block_bytes")]
-    block_bytes: usize,
-    #[serde(default = "default_max_blocks")]
-    max_blocks: usize,
-    #[serde(default = "default_index_capacity")]
-    index_capacity: usize,
-    #[serde(default = "default_index_stride")]
-    index_stride: usize,
-    #[serde(default = "default_per_doubling")]
-    checkpoints_per_doubling: u32,
-    #[serde(default = "default_trunk_min_new")]
-    trunk_min_new_blocks: u32,
-    #[serde(default)]
-    weights: Weights,
-    #[serde(default)]
-    load_measure: LoadMeasure,
-    #[serde(default = "default_request_cost")]
-    request_cost_blocks: u32,
-    #[serde(default = "default_bounded_load")]
-    bounded_load_factor: f64,
-    #[serde(default = "default_bounded_slack")]
-    bounded_load_slack_blocks: u32,
-    #[serde(default = "default_tick_ms")]
-    tick_ms: u64,
-    #[serde(default)]
-    cluster: Option<String>,
-    #[serde(default)]
-    metrics_cluster: Option<String>,
-    #[serde(default = "default_metrics_path")]
-    metrics_path: String,
-    #[serde(default = "default_scrape_interval")]
-    scrape_interval_ms: u64,
-    #[serde(default = "default_scrape_timeout")]
-    scrape_timeout_ms: u64,
-    #[serde(default = "default_max_metrics_bytes")]
-    max_metrics_bytes: usize,
-    #[serde(default)]
-    engine: Engine,
-    #[serde(default = "default_staleness")]
-    staleness_ms: u64,
-    #[serde(default = "default_unhealthy_after")]
-    unhealthy_after: u32,
-    #[serde(default = "default_queue_threshold")]
-    queue_threshold: f64,
-    #[serde(default = "default_kv_threshold")]
-    kv_threshold: f64,
-    #[serde(default = "default_priority_header")]
-    priority_header: String,
-    #[serde(default)]
-    mode: Mode,
-    #[serde(default)]
-    shadow_baseline: Baseline,
-    /// Test-only fault injection, compiled in only with the
-    /// `fault-injection` feature: release modules reject the key as unknown.
-    #[cfg(feature = "fault-injection")]
-    #[serde(default)]
-    debug_trap_on_request: Option<u64>,
+/// Session affinity that survives a hop between gateway instances (see
+/// `affinity`): a token in `header`, signed with `key`, honoured for
+/// `max_age_s`.
+#[derive(Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Affinity {
+    /// The header carrying the token (lowercase).
+    pub header: String,
+    /// The HMAC key every gateway instance shares (required, at least
+    /// `MIN_AFFINITY_KEY_BYTES` bytes).
+    pub key: String,
+    /// Age after which a token is no longer honoured.
+    pub max_age_s: u64,
 }
 
-fn default_header() -> String {
-    DEFAULT_DESTINATION_HEADER.to_string()
-}
-fn default_paths() -> Vec<String> {
-    vec!["/v1/completions".into(), "/v1/chat/completions".into()]
-}
-fn default_max_body() -> usize {
-    16 * 1024 * 1024
-}
-fn default_block_bytes() -> usize {
-    64
-}
-fn default_max_blocks() -> usize {
-    256
-}
-fn default_index_capacity() -> usize {
-    65_536
-}
-fn default_index_stride() -> usize {
-    4
-}
-fn default_per_doubling() -> u32 {
-    8
-}
-fn default_trunk_min_new() -> u32 {
-    16
-}
-fn default_request_cost() -> u32 {
-    8
-}
-fn default_bounded_load() -> f64 {
-    3.0
-}
-fn default_bounded_slack() -> u32 {
-    64
-}
-fn default_tick_ms() -> u64 {
-    100
-}
-fn default_metrics_path() -> String {
-    "/metrics".into()
-}
-fn default_scrape_interval() -> u64 {
-    100
-}
-fn default_scrape_timeout() -> u64 {
-    1000
-}
-fn default_max_metrics_bytes() -> usize {
-    1 << 20
-}
-fn default_staleness() -> u64 {
-    2000
-}
-fn default_unhealthy_after() -> u32 {
-    3
-}
-fn default_queue_threshold() -> f64 {
-    5.0
-}
-fn default_kv_threshold() -> f64 {
-    0.8
-}
-fn default_priority_header() -> String {
-    "x-prefix-router-priority".into()
+impl Default for Affinity {
+    fn default() -> Self {
+        Affinity {
+            header: DEFAULT_AFFINITY_HEADER.into(),
+            key: String::new(),
+            max_age_s: 3600,
+        }
+    }
 }
 
-/// Validated configuration. Fields are only reachable through `parse`, so
-/// the rest of the filter never sees an empty pool or a bad header name.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub endpoints: Vec<Endpoint>,
-    pub destination_header: String,
-    pub inference_paths: Vec<String>,
-    pub max_fallbacks: usize,
-    pub max_body_bytes: usize,
-    pub debug_header: bool,
-    pub block_bytes: usize,
-    pub max_blocks: usize,
-    pub index_capacity: usize,
-    pub index_stride: usize,
-    /// Past the dense window, checkpoints per doubling of their gap.
-    pub checkpoints_per_doubling: u32,
-    /// New content below a forked prefix that makes it a trunk (score).
-    pub trunk_min_new_blocks: u32,
-    pub weights: Weights,
-    pub load_measure: LoadMeasure,
-    pub request_cost_blocks: u32,
-    pub bounded_load_factor: f64,
-    pub bounded_load_slack_blocks: u32,
-    pub tick_ms: u64,
-    /// Scraping, when a cluster to reach the replicas through is named.
-    pub scrape: Option<Scrape>,
-    pub staleness_ms: u64,
-    pub unhealthy_after: u32,
-    pub queue_threshold: f64,
-    pub kv_threshold: f64,
-    pub priority_header: String,
-    pub mode: Mode,
-    pub shadow_baseline: Baseline,
-    /// Test-only fault injection (`fault-injection` feature): the VM traps
-    /// on its N-th request, to exercise Envoy's `failure_policy`.
-    #[cfg(feature = "fault-injection")]
-    pub debug_trap_on_request: Option<u64>,
-    pub discovery: Option<Discovery>,
-}
-
-/// How replica metrics are scraped.
-#[derive(Debug, Clone)]
-pub struct Scrape {
-    /// Envoy cluster the GETs go through (the destination header picks the
-    /// replica, so no cluster per replica is needed).
-    pub cluster: String,
-    pub path: String,
-    pub interval_ms: u64,
-    pub timeout_ms: u64,
-    pub max_bytes: usize,
-    pub engine: Engine,
+/// Never prints the key: configurations end up in logs.
+impl fmt::Debug for Affinity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Affinity")
+            .field("header", &self.header)
+            .field("key", &format_args!("<{} bytes>", self.key.len()))
+            .field("max_age_s", &self.max_age_s)
+            .finish()
+    }
 }
 
 impl Config {
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|_| ConfigError::NotUtf8)?;
-        let raw: RawConfig = serde_json::from_str(text)?;
-        if let Some(d) = &raw.discovery {
-            for (key, v) in [
-                ("discovery.cluster", &d.cluster),
-                ("discovery.admin_cluster", &d.admin_cluster),
-            ] {
-                if v.is_empty() || v.len() > 256 {
-                    return Err(ConfigError::Range {
-                        key,
-                        why: "must be a non-empty Envoy cluster name".into(),
-                    });
-                }
-            }
+        let mut config: Config = serde_json::from_str(text)?;
+        config.validate()?;
+        config.scrape = config.scrape_keys();
+        Ok(config)
+    }
+
+    /// What serde can't check: ranges, names, the endpoint list.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(d) = &self.discovery {
+            cluster_name("discovery.cluster", &d.cluster)?;
+            cluster_name("discovery.admin_cluster", &d.admin_cluster)?;
             range("discovery.interval_ms", d.interval_ms, 50, 3_600_000)?;
         }
         // With discovery the static list may be empty: the pool comes
         // from Envoy.
-        let endpoints = if raw.endpoints.is_empty() && raw.discovery.is_some() {
-            Vec::new()
-        } else {
-            parse_endpoints(&raw.endpoints)?
-        };
-        let destination_header = check_header(&raw.destination_header)?;
-        let inference_paths = check_paths(raw.inference_paths)?;
-        range(
-            "max_fallbacks",
-            raw.max_fallbacks as u64,
-            0,
-            MAX_FALLBACKS as u64,
-        )?;
-        range("max_body_bytes", raw.max_body_bytes as u64, 1, 1 << 30)?;
-        range("block_bytes", raw.block_bytes as u64, 8, 65_536)?;
-        range("max_blocks", raw.max_blocks as u64, 1, MAX_BLOCKS as u64)?;
-        range(
-            "index_capacity",
-            raw.index_capacity as u64,
-            64,
-            MAX_INDEX_CAPACITY as u64,
-        )?;
-        range(
-            "index_stride",
-            raw.index_stride as u64,
-            1,
-            raw.max_blocks as u64,
-        )?;
-        range(
-            "checkpoints_per_doubling",
-            u64::from(raw.checkpoints_per_doubling),
-            1,
-            64,
-        )?;
-        range(
-            "trunk_min_new_blocks",
-            u64::from(raw.trunk_min_new_blocks),
-            1,
-            1 << 20,
-        )?;
-        range(
-            "request_cost_blocks",
-            u64::from(raw.request_cost_blocks),
-            0,
-            1 << 20,
-        )?;
-        range(
-            "bounded_load_slack_blocks",
-            u64::from(raw.bounded_load_slack_blocks),
-            0,
-            1 << 24,
-        )?;
-        // A dead VM's load counts expire after 10 missed heartbeats: the tick
-        // bounds how long they linger.
-        range("tick_ms", raw.tick_ms, 10, 1000)?;
-        if !(raw.bounded_load_factor.is_finite() && raw.bounded_load_factor >= 1.0) {
-            return Err(ConfigError::Range {
-                key: "bounded_load_factor",
-                why: format!("{} must be a number >= 1.0", raw.bounded_load_factor),
-            });
+        if !(self.static_endpoints.is_empty() && self.discovery.is_some()) {
+            check_endpoints(&self.static_endpoints)?;
         }
-        for (key, w) in [
-            ("weights.prefix", raw.weights.prefix),
-            ("weights.load", raw.weights.load),
-            ("weights.queue", raw.weights.queue),
-            ("weights.kv", raw.weights.kv),
-            ("weights.lora", raw.weights.lora),
-            ("weights.spread", raw.weights.spread),
-        ] {
-            if !(w.is_finite() && (0.0..=1000.0).contains(&w)) {
-                return Err(ConfigError::Range {
-                    key,
-                    why: format!("{w} must be between 0 and 1000"),
-                });
+        header_name("destination_header", &self.destination_header)?;
+        check_paths(&self.inference_paths)?;
+        // A dead VM's load counts expire after 10 missed heartbeats: the
+        // tick bounds how long they linger.
+        #[rustfmt::skip]
+        let ranges: [(&'static str, u64, u64, u64); 14] = [
+            ("max_fallbacks", self.max_fallbacks as u64, 0, MAX_FALLBACKS as u64),
+            ("max_body_bytes", self.max_body_bytes as u64, 1, 1 << 30),
+            ("block_bytes", self.block_bytes as u64, 8, 65_536),
+            ("max_blocks", self.max_blocks as u64, 1, MAX_BLOCKS as u64),
+            ("index_capacity", self.index_capacity as u64, 64, MAX_INDEX_CAPACITY as u64),
+            ("index_stride", self.index_stride as u64, 1, self.max_blocks as u64),
+            ("checkpoints_per_doubling", self.checkpoints_per_doubling.into(), 1, 64),
+            ("trunk_min_new_blocks", self.trunk_min_new_blocks.into(), 1, 1 << 20),
+            ("request_cost_blocks", self.request_cost_blocks.into(), 0, 1 << 20),
+            ("bounded_load_slack_blocks", self.bounded_load_slack_blocks.into(), 0, 1 << 24),
+            ("tick_ms", self.tick_ms, 10, 1000),
+            ("staleness_ms", self.staleness_ms, 10, 3_600_000),
+            ("unhealthy_after", self.unhealthy_after.into(), 1, 1000),
+            ("gateways", self.gateways.into(), 1, MAX_GATEWAYS.into()),
+        ];
+        for (key, v, lo, hi) in ranges {
+            range(key, v, lo, hi)?;
+        }
+        let w = &self.weights;
+        #[rustfmt::skip]
+        let reals = [
+            ("bounded_load_factor", self.bounded_load_factor, 1.0, f64::INFINITY),
+            ("queue_threshold", self.queue_threshold, 0.0, f64::INFINITY),
+            ("kv_threshold", self.kv_threshold, 0.0, 1.0),
+            ("weights.prefix", w.prefix, 0.0, 1000.0),
+            ("weights.load", w.load, 0.0, 1000.0),
+            ("weights.queue", w.queue, 0.0, 1000.0),
+            ("weights.kv", w.kv, 0.0, 1000.0),
+            ("weights.lora", w.lora, 0.0, 1000.0),
+            ("weights.spread", w.spread, 0.0, 1000.0),
+        ];
+        for (key, v, lo, hi) in reals {
+            real(key, v, lo, hi)?;
+        }
+        header_name("priority_header", &self.priority_header)?;
+        if let Some(s) = self.scrape_keys() {
+            let key = match self.metrics_cluster {
+                Some(_) => "metrics_cluster",
+                None => "cluster",
+            };
+            cluster_name(key, &s.cluster)?;
+            if !s.path.starts_with('/') {
+                let why = format!("`{}` must start with /", s.path);
+                return Err(invalid("metrics_path", why));
             }
+            range("scrape_interval_ms", s.interval_ms, 10, 600_000)?;
+            range("scrape_timeout_ms", s.timeout_ms, 10, 600_000)?;
+            range("max_metrics_bytes", s.max_bytes as u64, 1024, 64 << 20)?;
         }
-        let priority_header =
-            check_header(&raw.priority_header).map_err(|_| ConfigError::Range {
-                key: "priority_header",
-                why: format!(
-                    "`{}` is not a valid lowercase header name",
-                    raw.priority_header
-                ),
-            })?;
-        let scrape = match raw.metrics_cluster.or(raw.cluster) {
-            None => None,
-            Some(cluster) => {
-                if cluster.is_empty() || cluster.len() > 256 {
-                    return Err(ConfigError::Range {
-                        key: "cluster",
-                        why: "must be a non-empty Envoy cluster name".into(),
-                    });
-                }
-                if !raw.metrics_path.starts_with('/') {
-                    return Err(ConfigError::Range {
-                        key: "metrics_path",
-                        why: format!("`{}` must start with /", raw.metrics_path),
-                    });
-                }
-                range("scrape_interval_ms", raw.scrape_interval_ms, 10, 600_000)?;
-                range("scrape_timeout_ms", raw.scrape_timeout_ms, 10, 600_000)?;
-                range(
-                    "max_metrics_bytes",
-                    raw.max_metrics_bytes as u64,
-                    1024,
-                    64 << 20,
-                )?;
-                Some(Scrape {
-                    cluster,
-                    path: raw.metrics_path,
-                    interval_ms: raw.scrape_interval_ms,
-                    timeout_ms: raw.scrape_timeout_ms,
-                    max_bytes: raw.max_metrics_bytes,
-                    engine: raw.engine,
-                })
+        if let Some(a) = &self.affinity {
+            header_name("affinity.header", &a.header)?;
+            if a.header == self.destination_header {
+                let why = "must differ from `destination_header`";
+                return Err(invalid("affinity.header", why));
             }
-        };
-        range("staleness_ms", raw.staleness_ms, 10, 3_600_000)?;
-        range("unhealthy_after", u64::from(raw.unhealthy_after), 1, 1000)?;
-        if !(raw.queue_threshold.is_finite() && raw.queue_threshold >= 0.0) {
-            return Err(ConfigError::Range {
-                key: "queue_threshold",
-                why: format!("{} must be a number >= 0", raw.queue_threshold),
-            });
+            if a.key.len() < MIN_AFFINITY_KEY_BYTES {
+                let why = format!(
+                    "required: a secret of at least {MIN_AFFINITY_KEY_BYTES} bytes (got {})",
+                    a.key.len()
+                );
+                return Err(invalid("affinity.key", why));
+            }
+            range("affinity.max_age_s", a.max_age_s, 1, 604_800)?;
         }
-        if !(raw.kv_threshold.is_finite() && (0.0..=1.0).contains(&raw.kv_threshold)) {
-            return Err(ConfigError::Range {
-                key: "kv_threshold",
-                why: format!("{} must be between 0 and 1", raw.kv_threshold),
-            });
-        }
-        Ok(Config {
-            endpoints,
-            destination_header,
-            inference_paths,
-            max_fallbacks: raw.max_fallbacks,
-            max_body_bytes: raw.max_body_bytes,
-            debug_header: raw.debug_header,
-            block_bytes: raw.block_bytes,
-            max_blocks: raw.max_blocks,
-            index_capacity: raw.index_capacity,
-            index_stride: raw.index_stride,
-            checkpoints_per_doubling: raw.checkpoints_per_doubling,
-            trunk_min_new_blocks: raw.trunk_min_new_blocks,
-            weights: raw.weights,
-            load_measure: raw.load_measure,
-            request_cost_blocks: raw.request_cost_blocks,
-            bounded_load_factor: raw.bounded_load_factor,
-            bounded_load_slack_blocks: raw.bounded_load_slack_blocks,
-            tick_ms: raw.tick_ms,
-            scrape,
-            staleness_ms: raw.staleness_ms,
-            unhealthy_after: raw.unhealthy_after,
-            queue_threshold: raw.queue_threshold,
-            kv_threshold: raw.kv_threshold,
-            priority_header,
-            mode: raw.mode,
-            shadow_baseline: raw.shadow_baseline,
-            #[cfg(feature = "fault-injection")]
-            debug_trap_on_request: raw.debug_trap_on_request,
-            discovery: raw.discovery,
+        Ok(())
+    }
+
+    /// The scraping set-up the keys describe, if a cluster is named.
+    fn scrape_keys(&self) -> Option<Scrape> {
+        Some(Scrape {
+            cluster: self
+                .metrics_cluster
+                .clone()
+                .or_else(|| self.cluster.clone())?,
+            path: self.metrics_path.clone(),
+            interval_ms: self.scrape_interval_ms,
+            timeout_ms: self.scrape_timeout_ms,
+            max_bytes: self.max_metrics_bytes,
+            engine: self.engine,
         })
     }
 
@@ -522,76 +415,93 @@ impl Config {
     }
 }
 
+fn invalid(key: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        why: why.into(),
+    }
+}
+
 /// Checked in u64 whatever the field's type: a `usize` is 32 bits in the
 /// wasm, and a u64 value cast to it would wrap (4294967306 -> 10) and pass.
 fn range(key: &'static str, v: u64, lo: u64, hi: u64) -> Result<(), ConfigError> {
     if v < lo || v > hi {
-        return Err(ConfigError::Range {
-            key,
-            why: format!("{v} is outside {lo}..={hi}"),
-        });
+        return Err(invalid(key, format!("{v} is outside {lo}..={hi}")));
     }
     Ok(())
 }
 
-fn parse_endpoints(raw: &[String]) -> Result<Vec<Endpoint>, ConfigError> {
-    if raw.is_empty() {
-        return Err(ConfigError::Endpoints("the list is empty".into()));
+/// A finite number in `lo..=hi` (`hi` may be infinite: no upper bound).
+fn real(key: &'static str, v: f64, lo: f64, hi: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        return Ok(());
     }
-    if raw.len() > MAX_ENDPOINTS {
-        return Err(ConfigError::Endpoints(format!(
-            "{} entries, at most {MAX_ENDPOINTS}",
-            raw.len()
-        )));
+    Err(invalid(
+        key,
+        if hi.is_finite() {
+            format!("{v} must be between {lo} and {hi}")
+        } else {
+            format!("{v} must be a number >= {lo}")
+        },
+    ))
+}
+
+fn check_endpoints(eps: &[Endpoint]) -> Result<(), ConfigError> {
+    if eps.is_empty() {
+        return Err(invalid("endpoints", "the list is empty"));
+    }
+    if eps.len() > MAX_ENDPOINTS {
+        let why = format!("{} entries, at most {MAX_ENDPOINTS}", eps.len());
+        return Err(invalid("endpoints", why));
     }
     let mut seen = HashSet::new();
     let mut ids = HashSet::new();
-    let mut out = Vec::with_capacity(raw.len());
-    for s in raw {
-        let ep: Endpoint = s
-            .parse()
-            .map_err(|e: crate::endpoint::BadEndpoint| ConfigError::Endpoints(e.to_string()))?;
-        if !seen.insert(ep.as_str().to_string()) {
-            return Err(ConfigError::Endpoints(format!("`{s}` is listed twice")));
+    for ep in eps {
+        if !seen.insert(ep.as_str()) {
+            return Err(invalid("endpoints", format!("`{ep}` is listed twice")));
         }
         if !ids.insert(ep.id()) {
-            return Err(ConfigError::Endpoints(format!(
-                "`{s}` collides with another endpoint's 64-bit id; rename one"
-            )));
+            let why = format!("`{ep}` collides with another endpoint's 64-bit id; rename one");
+            return Err(invalid("endpoints", why));
         }
-        out.push(ep);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// RFC 7230 token characters, lowercase only: Envoy stores header names in
 /// lowercase, and a name with uppercase would never match.
-fn check_header(name: &str) -> Result<String, ConfigError> {
+fn header_name(key: &'static str, name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 128
         && !name.starts_with(':')
         && name.bytes().all(|b| {
             b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
         });
-    if ok {
-        Ok(name.to_string())
-    } else {
-        Err(ConfigError::HeaderName(name.to_string()))
+    if !ok {
+        let why = format!("`{name}` is not a valid lowercase HTTP header name");
+        return Err(invalid(key, why));
     }
+    Ok(())
 }
 
-fn check_paths(paths: Vec<String>) -> Result<Vec<String>, ConfigError> {
-    if paths.is_empty() {
-        return Err(ConfigError::Paths("the list is empty".into()));
+fn cluster_name(key: &'static str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.len() > 256 {
+        return Err(invalid(key, "must be a non-empty Envoy cluster name"));
     }
-    for p in &paths {
+    Ok(())
+}
+
+fn check_paths(paths: &[String]) -> Result<(), ConfigError> {
+    if paths.is_empty() {
+        return Err(invalid("inference_paths", "the list is empty"));
+    }
+    for p in paths {
         if !p.starts_with('/') || p.contains('?') || p.len() > 1024 {
-            return Err(ConfigError::Paths(format!(
-                "`{p}` must be an absolute path without a query string"
-            )));
+            let why = format!("`{p}` must be an absolute path without a query string");
+            return Err(invalid("inference_paths", why));
         }
     }
-    Ok(paths)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -605,7 +515,7 @@ mod tests {
     #[test]
     fn minimal_config_gets_defaults() {
         let c = Config::parse(br#"{"endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]}"#).unwrap();
-        assert_eq!(c.endpoints.len(), 2);
+        assert_eq!(c.static_endpoints.len(), 2);
         assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
         assert_eq!(
             c.inference_paths,
@@ -620,7 +530,7 @@ mod tests {
     #[test]
     fn accepts_ipv6() {
         let c = Config::parse(br#"{"endpoints": ["[::1]:8000", "[fd00::2]:8001"]}"#).unwrap();
-        assert_eq!(c.endpoints[1].as_str(), "[fd00::2]:8001");
+        assert_eq!(c.static_endpoints[1].as_str(), "[fd00::2]:8001");
     }
 
     #[test]
@@ -659,7 +569,7 @@ mod tests {
     fn discovery_allows_an_empty_static_list() {
         let c =
             Config::parse(br#"{"discovery":{"cluster":"pool","admin_cluster":"admin"}}"#).unwrap();
-        assert!(c.endpoints.is_empty());
+        assert!(c.static_endpoints.is_empty());
         assert_eq!(c.discovery.unwrap().interval_ms, 1000);
         assert!(err(r#"{"discovery":{"cluster":"","admin_cluster":"a"}}"#)
             .contains("discovery.cluster"));
@@ -677,7 +587,7 @@ mod tests {
             (d.cluster.as_str(), d.admin_cluster.as_str()),
             ("pool", "admin")
         );
-        assert!(c.endpoints.is_empty());
+        assert!(c.static_endpoints.is_empty());
     }
 
     #[test]
@@ -728,5 +638,116 @@ mod tests {
         assert!(c.is_inference_path("/v1/chat/completions"));
         assert!(!c.is_inference_path("/v1/completions/render"));
         assert!(!c.is_inference_path("/health"));
+    }
+
+    const KEY: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn gateways_default_to_one_and_are_bounded() {
+        let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
+        assert_eq!(c.gateways, 1);
+        let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"],"gateways":64}"#).unwrap();
+        assert_eq!(c.gateways, 64);
+        for bad in ["0", "65"] {
+            let json = format!(r#"{{"endpoints":["10.0.0.1:1"],"gateways":{bad}}}"#);
+            assert!(err(&json).contains("`gateways`"), "{bad}");
+        }
+        assert!(err(r#"{"endpoints":["10.0.0.1:1"],"gateways":-1}"#).contains("invalid value"));
+    }
+
+    #[test]
+    fn affinity_is_off_by_default_and_gets_its_defaults() {
+        let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
+        assert!(c.affinity.is_none());
+        let json = format!(r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"key":"{KEY}"}}}}"#);
+        let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
+        assert_eq!(a.header, "x-prefix-router-affinity");
+        assert_eq!(a.key, KEY);
+        assert_eq!(a.max_age_s, 3600);
+        let json = format!(
+            r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"header":"x-session","key":"{KEY}","max_age_s":604800}}}}"#
+        );
+        let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
+        assert_eq!((a.header.as_str(), a.max_age_s), ("x-session", 604_800));
+    }
+
+    #[test]
+    fn affinity_errors_name_the_key_and_never_show_the_secret() {
+        let with = |inner: &str| format!(r#"{{"endpoints":["10.0.0.1:1"],"affinity":{inner}}}"#);
+        let short = "s3cret-but-only-31-bytes-long!!";
+        assert_eq!(short.len(), 31);
+        let e = err(&with(&format!(r#"{{"key":"{short}"}}"#)));
+        assert!(e.contains("`affinity.key`") && !e.contains(short), "{e}");
+        assert!(err(&with("{}")).contains("`affinity.key`"));
+        let bad_header = with(&format!(r#"{{"header":"X-Bad","key":"{KEY}"}}"#));
+        assert!(err(&bad_header).contains("`affinity.header`"));
+        let clash = with(&format!(
+            r#"{{"header":"x-gateway-destination-endpoint","key":"{KEY}"}}"#
+        ));
+        assert!(err(&clash).contains("`affinity.header`"));
+        for age in ["0", "604801", "4294967306"] {
+            let json = with(&format!(r#"{{"key":"{KEY}","max_age_s":{age}}}"#));
+            assert!(err(&json).contains("`affinity.max_age_s`"), "{age}");
+        }
+        assert!(
+            err(&with(&format!(r#"{{"key":"{KEY}","ttl":5}}"#))).contains("unknown field `ttl`")
+        );
+        let c = Config::parse(with(&format!(r#"{{"key":"{KEY}"}}"#)).as_bytes()).unwrap();
+        assert!(!format!("{c:?}").contains(KEY));
+    }
+
+    #[test]
+    fn scraping_is_derived_from_its_keys() {
+        let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
+        assert!(c.scrape.is_none());
+        let c = Config::parse(
+            br#"{"endpoints":["10.0.0.1:1"],"cluster":"pool","metrics_path":"/m","engine":"sglang"}"#,
+        )
+        .unwrap();
+        let s = c.scrape.unwrap();
+        assert_eq!((s.cluster.as_str(), s.path.as_str()), ("pool", "/m"));
+        assert_eq!(
+            (s.interval_ms, s.timeout_ms, s.max_bytes),
+            (100, 1000, 1 << 20)
+        );
+        assert_eq!(s.engine, Engine::Sglang);
+        let c = Config::parse(
+            br#"{"endpoints":["10.0.0.1:1"],"cluster":"pool","metrics_cluster":"direct"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.scrape.unwrap().cluster, "direct");
+        assert!(err(r#"{"endpoints":["10.0.0.1:1"],"metrics_cluster":""}"#)
+            .contains("`metrics_cluster`"));
+        assert!(
+            err(r#"{"endpoints":["10.0.0.1:1"],"cluster":"p","metrics_path":"m"}"#)
+                .contains("`metrics_path`")
+        );
+        // Without a cluster the scraping keys are not used, so not checked.
+        assert!(Config::parse(br#"{"endpoints":["10.0.0.1:1"],"scrape_interval_ms":1}"#).is_ok());
+    }
+
+    #[test]
+    fn numbers_out_of_range_name_their_key() {
+        for (key, v) in [
+            ("max_body_bytes", "0"),
+            ("block_bytes", "4"),
+            ("max_blocks", "4097"),
+            ("index_capacity", "63"),
+            ("index_stride", "257"),
+            ("checkpoints_per_doubling", "0"),
+            ("trunk_min_new_blocks", "0"),
+            ("staleness_ms", "5"),
+            ("unhealthy_after", "0"),
+            ("queue_threshold", "-1"),
+            ("kv_threshold", "1.5"),
+            ("priority_header", "\"Bad\""),
+        ] {
+            let json = format!(r#"{{"endpoints":["10.0.0.1:1"],"{key}":{v}}}"#);
+            assert!(
+                err(&json).contains(&format!("`{key}`")),
+                "{key}: {}",
+                err(&json)
+            );
+        }
     }
 }

@@ -13,9 +13,11 @@ use thiserror::Error;
 
 use crate::config::MAX_ENDPOINTS;
 use crate::endpoint::Endpoint;
-use crate::store::{Reader, Store};
+use crate::store::{self, Store, Writer};
 
 const KEY: &str = "prefix-router/discovered";
+/// The published set's (unversioned before).
+const VERSION: u8 = 1;
 
 #[derive(Debug, Error)]
 pub enum DiscoveryError {
@@ -129,7 +131,6 @@ pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, Disco
     Ok(out)
 }
 
-/// Publish the discovered set (written by the scraper VM).
 /// The admin path that lists only `cluster`: `filter` (an RE2 match on
 /// the cluster name, Envoy >= 1.38) keeps the page a few KB on a mesh
 /// gateway whose full page lists thousands of clusters (about 2 KB each:
@@ -156,17 +157,11 @@ pub fn admin_path(cluster: &str) -> String {
     path
 }
 
+/// Publish the discovered set (written by the scraper VM).
 pub fn publish<S: Store + ?Sized>(store: &S, eps: &[Endpoint]) {
-    let mut out = Vec::with_capacity(4 + eps.len() * 24);
-    out.extend_from_slice(&(eps.len() as u32).to_le_bytes());
-    for e in eps {
-        let t = e.as_str().as_bytes();
-        out.push(t.len() as u8);
-        out.extend_from_slice(t);
-    }
     // Unconditional: one writer (the lease holder); a stale racing write
     // is corrected on the next interval.
-    let _ = store.set(KEY, &out, None);
+    let _ = store.set(KEY, &encode(eps), None);
 }
 
 /// The published set and its CAS token (a cheap change detector), or
@@ -176,19 +171,20 @@ pub fn load<S: Store + ?Sized>(store: &S) -> Option<(Vec<Endpoint>, u32)> {
     Some((decode(&value?)?, cas.unwrap_or(0)))
 }
 
+fn encode(eps: &[Endpoint]) -> Vec<u8> {
+    let mut w = Writer::new(VERSION, 4 + eps.len() * 24);
+    w.count(eps.len());
+    for e in eps {
+        w.str(e.as_str());
+    }
+    w.finish()
+}
+
 fn decode(buf: &[u8]) -> Option<Vec<Endpoint>> {
-    let mut r = Reader::new(buf);
-    let n = r.u32()? as usize;
-    if n > MAX_ENDPOINTS {
-        return None;
-    }
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = r.u8()? as usize;
-        let text = std::str::from_utf8(r.take(len)?).ok()?;
-        out.push(text.parse().ok()?);
-    }
-    r.is_empty().then_some(out)
+    store::decode(VERSION, buf, |r| {
+        let n = r.count(MAX_ENDPOINTS)?;
+        (0..n).map(|_| r.str()?.parse().ok()).collect()
+    })
 }
 
 /// Fuzzing support: arbitrary admin JSON never panics; accepted hosts are
@@ -201,7 +197,12 @@ pub fn check_admin_json(data: &[u8]) {
         publish(&s, &eps);
         assert_eq!(load(&s).map(|l| l.0), Some(eps));
     }
-    let _ = decode(data);
+    for record in [data, &store::seal(VERSION, data)] {
+        if let Some(eps) = decode(record) {
+            assert!(eps.len() <= MAX_ENDPOINTS);
+            assert_eq!(decode(&encode(&eps)), Some(eps));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -265,10 +266,20 @@ mod tests {
         let (got, t2) = load(&s).unwrap();
         assert_eq!(got.len(), 1);
         assert_ne!(t1, t2);
-        for cut in 0..8 {
-            s.set(KEY, &[2, 0, 0, 0, 200, b'x'][..cut.min(6)], None)
-                .unwrap();
+        let good = encode(&eps);
+        for cut in 0..good.len() {
+            s.set(KEY, &good[..cut], None).unwrap();
             assert!(load(&s).is_none());
         }
+        // The unversioned layout of before, and an address that doesn't
+        // parse: absent.
+        let mut old = vec![1, 0, 0, 0, 11];
+        old.extend_from_slice(b"10.0.0.1:80");
+        s.set(KEY, &old, None).unwrap();
+        assert!(load(&s).is_none());
+        let mut w = Writer::new(VERSION, 0);
+        w.count(1).str("x:80");
+        s.set(KEY, &w.finish(), None).unwrap();
+        assert!(load(&s).is_none());
     }
 }

@@ -4,6 +4,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 
+use serde::Deserialize;
 use thiserror::Error;
 
 /// A replica's stable identity inside shared-data records: xxh3-64 of the
@@ -18,8 +19,10 @@ pub struct BadEndpoint {
 }
 
 /// A validated replica address. The only way to build one is by parsing, so
-/// the header value written for it is always a canonical socket address.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// the header value written for it is always a canonical socket address
+/// (in a configuration too: it deserializes from its text).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(try_from = "String")]
 pub struct Endpoint {
     addr: SocketAddr,
     text: String,
@@ -69,6 +72,14 @@ impl FromStr for Endpoint {
         let text = addr.to_string();
         let id = replica_id(&text);
         Ok(Endpoint { addr, text, id })
+    }
+}
+
+impl TryFrom<String> for Endpoint {
+    type Error = BadEndpoint;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 

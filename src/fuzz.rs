@@ -17,6 +17,12 @@ pub fn request_body(data: &[u8]) {
     if let Ok(p) = request::extract(data, CAP) {
         assert!(p.text.len() <= CAP);
         let h = Hashed::of(&p, &cfg);
+        // The filter's one-pass parse-and-hash agrees with render-then-hash.
+        if p.text.len() < CAP {
+            if let Ok((_, streamed)) = Hashed::parse(data, &cfg) {
+                assert_eq!(streamed.checkpoints, h.checkpoints);
+            }
+        }
         assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);
         assert!(h.checkpoints.windows(2).all(|w| w[0].blocks < w[1].blocks));
         // Bounded by the schedule: dense window, then log2 of the length.
@@ -42,7 +48,7 @@ pub fn plugin_config(data: &[u8]) {
         // An empty static list is only valid when discovery provides the
         // pool (found by the fuzzer: the first version of this check
         // predated discovery).
-        assert!(!c.endpoints.is_empty() || c.discovery.is_some());
+        assert!(!c.static_endpoints.is_empty() || c.discovery.is_some());
         assert!(c.max_fallbacks <= crate::config::MAX_FALLBACKS);
         assert!(c.block_bytes >= 8 && c.max_blocks >= 1);
     }

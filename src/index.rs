@@ -19,14 +19,15 @@ use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
 use crate::prefix::Checkpoint;
-use crate::store::{update, Reader, Store, StoreError};
+use crate::store::{self, update, Store, StoreError, Writer};
 
 pub const WAYS: usize = 8;
 pub const REPLICAS_PER_ENTRY: usize = 4;
 /// Bytes one full entry takes in its bucket value.
 pub const ENTRY_BYTES: usize = 8 + 8 + 1 + 1 + REPLICAS_PER_ENTRY * 12;
-/// 2: entries carry what followed them (`child`, `forked`).
-const VERSION: u8 = 2;
+/// 2: entries carry what followed them (`child`, `forked`); 3: the
+/// common record envelope (`store::Writer`).
+const VERSION: u8 = 3;
 /// A held prefix is re-stamped at most this often, so hot entries stay
 /// young (not evicted) without a write per request.
 const REFRESH_S: u32 = 5;
@@ -55,25 +56,20 @@ impl Entry {
 /// Decode a bucket; anything malformed reads as an empty bucket, because a
 /// corrupt record must never be trusted (it only costs a cache miss).
 fn decode(buf: &[u8]) -> Vec<Entry> {
-    let mut r = Reader::new(buf);
-    let parse = |r: &mut Reader| -> Option<Vec<Entry>> {
-        if r.u8()? != VERSION {
-            return None;
-        }
-        let n = r.u8()? as usize;
+    store::decode(VERSION, buf, |r| {
+        let n = usize::from(r.u8()?);
         if n > WAYS {
             return None;
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let hash = r.u64()?;
-            let child = r.u64()?;
+            let (hash, child) = (r.u64()?, r.u64()?);
             let forked = match r.u8()? {
                 0 => false,
                 1 => true,
                 _ => return None,
             };
-            let k = r.u8()? as usize;
+            let k = usize::from(r.u8()?);
             if k > REPLICAS_PER_ENTRY {
                 return None;
             }
@@ -88,35 +84,34 @@ fn decode(buf: &[u8]) -> Vec<Entry> {
                 holders,
             });
         }
-        r.is_empty().then_some(out)
-    };
-    parse(&mut r).unwrap_or_default()
+        Some(out)
+    })
+    .unwrap_or_default()
 }
 
 fn encode(entries: &[Entry]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + entries.len() * ENTRY_BYTES);
-    out.push(VERSION);
-    out.push(entries.len() as u8);
+    let mut w = Writer::new(VERSION, 1 + entries.len() * ENTRY_BYTES);
+    w.u8(entries.len() as u8);
     for e in entries {
-        out.extend_from_slice(&e.hash.to_le_bytes());
-        out.extend_from_slice(&e.child.to_le_bytes());
-        out.push(u8::from(e.forked));
-        out.push(e.holders.len() as u8);
-        for (id, ts) in &e.holders {
-            out.extend_from_slice(&id.to_le_bytes());
-            out.extend_from_slice(&ts.to_le_bytes());
+        w.u64(e.hash).u64(e.child).u8(u8::from(e.forked));
+        w.u8(e.holders.len() as u8);
+        for &(id, ts) in &e.holders {
+            w.u64(id).u32(ts);
         }
     }
-    out
+    w.finish()
 }
 
-/// Fuzzing support: decoding arbitrary bytes never panics, and whatever
-/// decodes survives an encode/decode round trip unchanged.
+/// Fuzzing support: decoding arbitrary bytes (as a record, and as the
+/// payload of one) never panics, and whatever decodes survives an
+/// encode/decode round trip unchanged.
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
-    let entries = decode(buf);
-    assert!(entries.len() <= WAYS);
-    assert_eq!(decode(&encode(&entries)), entries);
+    for record in [buf, &store::seal(VERSION, buf)] {
+        let entries = decode(record);
+        assert!(entries.len() <= WAYS);
+        assert_eq!(decode(&encode(&entries)), entries);
+    }
 }
 
 /// Per replica: leading blocks of the request it holds, and when that was
@@ -560,7 +555,8 @@ mod tests {
         assert!(entries <= idx.capacity());
         assert_eq!(total.inserted as usize, entries);
         assert_eq!(total.inserted + total.evicted, 2_000_000);
-        assert!(s.bytes() <= idx.capacity() / WAYS * (2 + WAYS * ENTRY_BYTES + 24));
+        let bucket = store::HEADER_BYTES + 1 + WAYS * ENTRY_BYTES;
+        assert!(s.bytes() <= idx.capacity() / WAYS * (bucket + 24));
     }
 
     #[test]
@@ -607,6 +603,8 @@ mod tests {
         let mut bad_version = good.clone();
         bad_version[0] = 9;
         assert!(decode(&bad_version).is_empty());
-        assert!(decode(&[VERSION, 200]).is_empty());
+        assert!(decode(&store::seal(VERSION, &[200])).is_empty());
+        // The version-2 layout (no envelope) of the same bucket.
+        assert!(decode(&[2, 1, 5, 0, 0, 0, 0, 0, 0, 0]).is_empty());
     }
 }

@@ -13,6 +13,7 @@
 //!
 //! `host` is the thin layer that talks to Envoy.
 
+pub mod affinity;
 pub mod config;
 pub mod discovery;
 pub mod endpoint;

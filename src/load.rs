@@ -10,9 +10,12 @@ use std::collections::BTreeMap;
 use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
-use crate::store::{get_existing, update, Reader, Store};
+use crate::store::{self, get_existing, update, Store, Writer};
 
-const VERSION: u8 = 2;
+/// 2: placed content; 3: the common record envelope (`store::Writer`).
+const VERSION: u8 = 3;
+/// The slot counter's (unversioned before: a bare u32).
+const COUNT_VERSION: u8 = 1;
 /// Placed-content estimates halve this often: roughly how long a model
 /// server keeps an unused prefix before other traffic evicts it.
 pub const PLACED_HALF_LIFE_MS: u64 = 60_000;
@@ -43,59 +46,66 @@ fn slot_key(i: u32) -> String {
 }
 
 fn encode(s: &Slot) -> Vec<u8> {
-    let mut out = Vec::with_capacity(21 + s.loads.len() * 24);
-    out.push(VERSION);
-    out.extend_from_slice(&s.owner.to_le_bytes());
-    out.extend_from_slice(&s.heartbeat_ms.to_le_bytes());
-    out.extend_from_slice(&(s.loads.len() as u32).to_le_bytes());
+    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 24);
+    w.u64(s.owner).u64(s.heartbeat_ms).count(s.loads.len());
     for (id, l) in &s.loads {
-        out.extend_from_slice(&id.to_le_bytes());
-        out.extend_from_slice(&l.requests.to_le_bytes());
-        out.extend_from_slice(&l.work.to_le_bytes());
-        out.extend_from_slice(&l.placed.to_le_bytes());
+        w.u64(*id).u32(l.requests).u64(l.work).u32(l.placed);
     }
-    out
+    w.finish()
 }
 
 /// Malformed → `None`: a corrupt slot is ignored, never trusted.
 fn decode(buf: &[u8]) -> Option<Slot> {
-    let mut r = Reader::new(buf);
-    if r.u8()? != VERSION {
-        return None;
-    }
-    let owner = r.u64()?;
-    let heartbeat_ms = r.u64()?;
-    let n = r.u32()? as usize;
-    if n > crate::config::MAX_ENDPOINTS * 4 {
-        return None;
-    }
-    let mut loads = Vec::with_capacity(n);
-    for _ in 0..n {
-        let id = r.u64()?;
-        let requests = r.u32()?;
-        let work = r.u64()?;
-        let placed = r.u32()?;
-        loads.push((
-            id,
-            Load {
-                requests,
-                work,
-                placed,
-            },
-        ));
-    }
-    r.is_empty().then_some(Slot {
-        owner,
-        heartbeat_ms,
-        loads,
+    store::decode(VERSION, buf, |r| {
+        let (owner, heartbeat_ms) = (r.u64()?, r.u64()?);
+        let n = r.count(crate::config::MAX_ENDPOINTS * 4)?;
+        let mut loads = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u64()?;
+            let (requests, work, placed) = (r.u32()?, r.u64()?, r.u32()?);
+            loads.push((
+                id,
+                Load {
+                    requests,
+                    work,
+                    placed,
+                },
+            ));
+        }
+        Some(Slot {
+            owner,
+            heartbeat_ms,
+            loads,
+        })
     })
+}
+
+/// The slot counter: how many slot keys exist (at most `MAX_SLOTS`).
+fn encode_count(n: u32) -> Vec<u8> {
+    let mut w = Writer::new(COUNT_VERSION, 4);
+    w.u32(n);
+    w.finish()
+}
+
+/// A missing or unreadable counter reads as 0 (no slots known yet).
+fn decode_count(buf: &[u8]) -> u32 {
+    store::decode(COUNT_VERSION, buf, |r| r.u32())
+        .unwrap_or(0)
+        .min(MAX_SLOTS)
 }
 
 /// Fuzzing support: see `index::check_codec`.
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
-    if let Some(slot) = decode(buf) {
-        assert_eq!(decode(&encode(&slot)).as_ref(), Some(&slot));
+    for record in [buf, &store::seal(VERSION, buf)] {
+        if let Some(slot) = decode(record) {
+            assert_eq!(decode(&encode(&slot)).as_ref(), Some(&slot));
+        }
+    }
+    for record in [buf, &store::seal(COUNT_VERSION, buf)] {
+        let n = decode_count(record);
+        assert!(n <= MAX_SLOTS);
+        assert_eq!(decode_count(&encode_count(n)), n);
     }
 }
 
@@ -233,17 +243,15 @@ impl LoadBoard {
         if let Some(i) = (0..known).find(|&i| self.take(store, i, now_ms)) {
             return Some(i);
         }
-        let (value, cas) = existing(store, SLOTS_KEY, &0u32.to_le_bytes())?;
-        let n = value.as_deref().map(read_u32).unwrap_or(0);
+        let (value, cas) = existing(store, SLOTS_KEY, &encode_count(0))?;
+        let n = value.as_deref().map(decode_count).unwrap_or(0);
         if n >= MAX_SLOTS {
             log::warn!("all {MAX_SLOTS} load slots are live; this VM's load is not shared");
             return None;
         }
         // One try each: on a mismatch a peer got there first, and the
         // next publish scans again (a slot may even be free by then).
-        store
-            .set(SLOTS_KEY, &(n + 1).to_le_bytes(), Some(cas))
-            .ok()?;
+        store.set(SLOTS_KEY, &encode_count(n + 1), Some(cas)).ok()?;
         self.take(store, n, now_ms).then_some(n)
     }
 
@@ -291,12 +299,13 @@ fn existing<S: Store + ?Sized>(
     })
 }
 
-fn read_u32(b: &[u8]) -> u32 {
-    Reader::new(b).u32().unwrap_or(0).min(MAX_SLOTS)
-}
-
 pub fn slot_count<S: Store + ?Sized>(store: &S) -> u32 {
-    store.get(SLOTS_KEY).0.as_deref().map(read_u32).unwrap_or(0)
+    store
+        .get(SLOTS_KEY)
+        .0
+        .as_deref()
+        .map(decode_count)
+        .unwrap_or(0)
 }
 
 /// Sum of every fresh slot: the pool's in-flight work right now.
@@ -453,7 +462,7 @@ mod tests {
     #[test]
     fn corrupt_slots_are_ignored() {
         let s = MemStore::new();
-        s.set(SLOTS_KEY, &2u32.to_le_bytes(), None).unwrap();
+        s.set(SLOTS_KEY, &encode_count(2), None).unwrap();
         s.set(&slot_key(0), &[VERSION, 1, 2, 3], None).unwrap();
         s.set(&slot_key(1), b"garbage", None).unwrap();
         assert!(snapshot(&s, 0, 1000).is_empty());
@@ -473,5 +482,13 @@ mod tests {
             assert!(decode(&good[..cut]).is_none());
         }
         assert!(decode(&good).is_some());
+        // The version-2 slot layout and the bare u32 counter of before
+        // read as absent.
+        let mut v2 = vec![2];
+        v2.extend_from_slice(&good[store::HEADER_BYTES..]);
+        assert!(decode(&v2).is_none());
+        assert_eq!(decode_count(&3u32.to_le_bytes()), 0);
+        assert_eq!(decode_count(&encode_count(3)), 3);
+        assert_eq!(decode_count(&encode_count(MAX_SLOTS + 5)), MAX_SLOTS);
     }
 }

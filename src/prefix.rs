@@ -20,7 +20,7 @@
 //! over the whole run (bulk speed, not per block), allocation-free, and
 //! identical on wasm32 and x86_64.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// Versioned so that a format change can't silently alias old index entries.
 const SEED_TAG: &[u8] = b"prefix-router/v3";
@@ -63,30 +63,162 @@ impl Schedule {
 
     /// The scheduled points up to `total`, without the end.
     fn scheduled(&self, total: u32) -> Vec<u32> {
-        let stride = self.stride.max(1);
-        let mut out = Vec::new();
-        let mut at = 0u32;
-        while at + stride <= self.dense.min(total) {
-            at += stride;
-            out.push(at);
+        self.iter().take_while(|&p| p <= total).collect()
+    }
+
+    /// Every scheduled point, ascending, whatever the prompt's length.
+    fn iter(&self) -> Points {
+        Points {
+            s: *self,
+            at: 0,
+            gap: 0,
+            in_gap: 0,
+            sparse: false,
         }
-        // The first sparse gap is 1/per_doubling of the dense window, and
-        // it doubles whenever the depth has: the gap stays about
-        // depth / per_doubling all the way down.
-        let mut gap = stride
-            .saturating_mul(2)
-            .max(self.dense / self.per_doubling.max(1));
-        let mut in_gap = 0;
-        while let Some(next) = at.checked_add(gap).filter(|&n| n <= total) {
-            at = next;
-            out.push(at);
-            in_gap += 1;
-            if in_gap == self.per_doubling.max(1) {
-                in_gap = 0;
-                gap = gap.saturating_mul(2);
+    }
+}
+
+/// The scheduled points: dense, then sparse (ends at u32 overflow).
+struct Points {
+    s: Schedule,
+    at: u32,
+    gap: u32,
+    in_gap: u32,
+    sparse: bool,
+}
+
+impl Iterator for Points {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        let stride = self.s.stride.max(1);
+        let per = self.s.per_doubling.max(1);
+        if !self.sparse {
+            match self.at.checked_add(stride).filter(|&n| n <= self.s.dense) {
+                Some(n) => {
+                    self.at = n;
+                    return Some(n);
+                }
+                None => {
+                    // The first sparse gap is 1/per_doubling of the dense
+                    // window, and it doubles whenever the depth has: the
+                    // gap stays about depth / per_doubling all the way.
+                    self.sparse = true;
+                    self.gap = stride.saturating_mul(2).max(self.s.dense / per);
+                }
             }
         }
-        out
+        let next = self.at.checked_add(self.gap)?;
+        self.at = next;
+        self.in_gap += 1;
+        if self.in_gap == per {
+            self.in_gap = 0;
+            self.gap = self.gap.saturating_mul(2);
+        }
+        Some(next)
+    }
+}
+
+/// The checkpoints of a prompt fed in pieces (the renderer writes here
+/// directly, so a long prompt is never copied into one buffer): the same
+/// hashes as [`checkpoints`] over the concatenation. Only whole blocks
+/// reach the hash state; a partial block waits in `carry`, and the one at
+/// the end is dropped.
+pub struct Hasher {
+    block_bytes: usize,
+    points: Points,
+    /// Next scheduled boundary, in bytes from the start.
+    next: Option<u64>,
+    next_blocks: u32,
+    state: Xxh3,
+    /// Whole-block bytes hashed so far.
+    fed: u64,
+    carry: Vec<u8>,
+    out: Vec<Checkpoint>,
+}
+
+impl Hasher {
+    pub fn new(seed: u64, block_bytes: usize, s: &Schedule) -> Hasher {
+        let mut h = Hasher {
+            block_bytes: block_bytes.max(1),
+            points: s.iter(),
+            next: None,
+            next_blocks: 0,
+            state: Xxh3::with_seed(seed),
+            fed: 0,
+            carry: Vec::with_capacity(block_bytes),
+            out: Vec::new(),
+        };
+        h.advance();
+        h
+    }
+
+    fn advance(&mut self) {
+        match self.points.next() {
+            Some(p) => {
+                self.next_blocks = p;
+                self.next = Some(u64::from(p) * self.block_bytes as u64);
+            }
+            None => self.next = None,
+        }
+    }
+
+    pub fn push(&mut self, mut bytes: &[u8]) {
+        if !self.carry.is_empty() {
+            let take = (self.block_bytes - self.carry.len()).min(bytes.len());
+            self.carry.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.carry.len() < self.block_bytes {
+                return;
+            }
+            let block = std::mem::take(&mut self.carry);
+            self.feed(&block);
+            self.carry = block;
+            self.carry.clear();
+        }
+        let whole = bytes.len() / self.block_bytes * self.block_bytes;
+        self.feed(&bytes[..whole]);
+        self.carry.extend_from_slice(&bytes[whole..]);
+    }
+
+    /// Hash whole blocks, closing a checkpoint at each scheduled boundary.
+    fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let Some(boundary) = self.next else {
+                self.state.update(bytes);
+                self.fed += bytes.len() as u64;
+                return;
+            };
+            let room = usize::try_from(boundary - self.fed).unwrap_or(usize::MAX);
+            let take = room.min(bytes.len());
+            self.state.update(&bytes[..take]);
+            self.fed += take as u64;
+            bytes = &bytes[take..];
+            if self.fed == boundary {
+                let hash = self.state.digest();
+                self.out.push(Checkpoint {
+                    blocks: self.next_blocks,
+                    hash,
+                    on_schedule: true,
+                });
+                self.state = Xxh3::with_seed(hash);
+                self.advance();
+            }
+        }
+    }
+
+    /// The checkpoints, with one at the last whole block if it is off the
+    /// schedule.
+    pub fn finish(mut self) -> Vec<Checkpoint> {
+        let total = u32::try_from(self.fed / self.block_bytes as u64).unwrap_or(u32::MAX);
+        if total > self.out.last().map_or(0, |c| c.blocks) {
+            self.out.push(Checkpoint {
+                blocks: total,
+                hash: self.state.digest(),
+                on_schedule: false,
+            });
+        }
+        self.out
     }
 }
 
@@ -227,6 +359,25 @@ mod tests {
         ] {
             let o = checkpoints(other, &text, 64, &S);
             assert!(base.iter().zip(&o).all(|(a, b)| a.hash != b.hash));
+        }
+    }
+
+    #[test]
+    fn hashing_in_pieces_gives_the_same_checkpoints() {
+        let text: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let whole = hashes(&text[..]);
+        for piece in [1usize, 7, 64, 100, 4096, 65_537] {
+            let mut h = Hasher::new(seed("m", None), 64, &S);
+            for chunk in text.chunks(piece) {
+                h.push(chunk);
+            }
+            assert_eq!(h.finish(), whole, "pieces of {piece}");
+        }
+        // Ends exactly on a scheduled point, and shorter than one block.
+        for len in [256 * 64, 63, 0] {
+            let mut h = Hasher::new(seed("m", None), 64, &S);
+            h.push(&text[..len]);
+            assert_eq!(h.finish(), hashes(&text[..len]), "{len} bytes");
         }
     }
 

@@ -9,13 +9,16 @@ use std::collections::HashSet;
 
 use crate::endpoint::ReplicaId;
 use crate::metrics::{ReplicaMetrics, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
-use crate::store::{get_existing, Reader, Store, StoreError};
+use crate::store::{self, get_existing, Reader, Store, StoreError, Writer};
 
 const TABLE_KEY: &str = "prefix-router/replicas";
 const LEASE_KEY: &str = "prefix-router/scrape-lease";
 /// 2: each row framed by its own length, so one unreadable row costs only
-/// itself (version 1 tables read as absent and are rewritten).
-const VERSION: u8 = 2;
+/// itself; 3: the common record envelope (`store::Writer`). Tables of
+/// another version read as absent and are rewritten.
+const VERSION: u8 = 3;
+/// The scraper lease's (unversioned before: two bare u64s).
+const LEASE_VERSION: u8 = 1;
 /// Bounds on what a record may carry (and a decoder will accept).
 pub const MAX_ROWS: usize = 4096;
 /// Largest queue/running count a row holds. Far above any real replica,
@@ -90,19 +93,14 @@ impl Row {
         }
     }
 
-    fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.id.to_le_bytes());
-        out.extend_from_slice(&self.last_ok_ms.to_le_bytes());
-        put_u32(out, self.failures);
-        for f in [self.waiting, self.running, self.kv_usage] {
-            out.extend_from_slice(&f.to_le_bytes());
-        }
-        put_u32(out, self.max_lora);
+    fn encode(&self, w: &mut Writer) {
+        w.u64(self.id).u64(self.last_ok_ms).u32(self.failures);
+        w.f32(self.waiting).f32(self.running).f32(self.kv_usage);
+        w.u32(self.max_lora);
         for list in [&self.running_lora, &self.waiting_lora] {
-            out.push(list.len() as u8);
+            w.u8(list.len() as u8);
             for name in list {
-                out.push(name.len() as u8);
-                out.extend_from_slice(name.as_bytes());
+                w.str(name);
             }
         }
     }
@@ -114,9 +112,9 @@ impl Row {
             id,
             last_ok_ms: r.u64()?,
             failures: r.u32()?,
-            waiting: count(f64::from(f32::from_bits(r.u32()?))),
-            running: count(f64::from(f32::from_bits(r.u32()?))),
-            kv_usage: fraction(f32::from_bits(r.u32()?)),
+            waiting: count(f64::from(r.f32()?)),
+            running: count(f64::from(r.f32()?)),
+            kv_usage: fraction(r.f32()?),
             max_lora: r.u32()?,
             running_lora: names(r)?,
             waiting_lora: names(r)?,
@@ -195,31 +193,36 @@ impl Table {
         }
     }
 
+    /// Each row is framed on its own, so one unreadable row costs only
+    /// itself.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(5 + self.rows.len() * 66);
-        out.push(VERSION);
-        put_u32(&mut out, self.rows.len() as u32);
-        let mut row = Vec::with_capacity(128);
-        for r in &self.rows {
-            row.clear();
-            r.encode(&mut row);
-            out.extend_from_slice(&(row.len() as u16).to_le_bytes());
-            out.extend_from_slice(&row);
+        let mut w = Writer::new(VERSION, 4 + self.rows.len() * 48);
+        w.count(self.rows.len());
+        for row in &self.rows {
+            w.framed(|w| row.encode(w));
         }
-        out
+        w.finish()
     }
 
     /// A table whose framing is broken reads as empty (everyone unknown,
     /// so eligible): never trusted, and the next scrape rewrites it. A row
     /// whose body is broken costs only that row, which reads as unhealthy.
     pub fn decode(buf: &[u8]) -> Table {
-        decode_rows(&mut Reader::new(buf))
-            .map(|mut rows| {
-                rows.sort_by_key(|r| r.id);
-                rows.dedup_by_key(|r| r.id);
-                Table { rows }
-            })
-            .unwrap_or_default()
+        let rows = store::decode(VERSION, buf, |r| {
+            let n = r.count(MAX_ROWS)?;
+            let mut rows = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut body = Reader::new(r.bytes()?);
+                // Without an id the row can't be attributed: skip it.
+                let Some(id) = body.u64() else { continue };
+                rows.push(Row::decode_body(id, &mut body).unwrap_or_else(|| Row::unreadable(id)));
+            }
+            Some(rows)
+        });
+        let mut rows = rows.unwrap_or_default();
+        rows.sort_by_key(|r| r.id);
+        rows.dedup_by_key(|r| r.id);
+        Table { rows }
     }
 
     pub fn load<S: Store + ?Sized>(store: &S) -> Table {
@@ -239,46 +242,36 @@ impl Table {
 /// Fuzzing support: see `index::check_codec`.
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
-    let t = Table::decode(buf);
-    assert!(t.rows.len() <= MAX_ROWS);
-    assert!(t.rows.iter().all(|r| r.waiting.is_finite()
-        && r.running.is_finite()
-        && (0.0..=1.0).contains(&r.kv_usage)));
-    assert_eq!(Table::decode(&t.encode()), t);
-}
-
-fn put_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-fn decode_rows(r: &mut Reader) -> Option<Vec<Row>> {
-    if r.u8()? != VERSION {
-        return None;
+    for record in [buf, &store::seal(VERSION, buf)] {
+        let t = Table::decode(record);
+        assert!(t.rows.len() <= MAX_ROWS);
+        assert!(t.rows.iter().all(|r| r.waiting.is_finite()
+            && r.running.is_finite()
+            && (0.0..=1.0).contains(&r.kv_usage)));
+        assert_eq!(Table::decode(&t.encode()), t);
     }
-    let n = r.u32()? as usize;
-    if n > MAX_ROWS {
-        return None;
+    for record in [buf, &store::seal(LEASE_VERSION, buf)] {
+        if let Some((owner, expiry)) = decode_lease(record) {
+            assert_eq!(
+                decode_lease(&lease_record(owner, expiry)),
+                Some((owner, expiry))
+            );
+        }
     }
-    let mut rows = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = usize::from(u16::from_le_bytes(r.take(2)?.try_into().ok()?));
-        let mut body = Reader::new(r.take(len)?);
-        // Without an id the row can't be attributed: skip it.
-        let Some(id) = body.u64() else { continue };
-        rows.push(Row::decode_body(id, &mut body).unwrap_or_else(|| Row::unreadable(id)));
-    }
-    r.is_empty().then_some(rows)
 }
 
 fn names(r: &mut Reader) -> Option<Vec<String>> {
-    let n = r.u8()? as usize;
+    let n = usize::from(r.u8()?);
     if n > MAX_LORA_ADAPTERS {
         return None;
     }
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let len = r.u8()? as usize;
-        out.push(String::from_utf8(r.take(len)?.to_vec()).ok()?);
+        let name = r.str()?;
+        if name.len() > MAX_LORA_NAME_BYTES {
+            return None;
+        }
+        out.push(name.to_string());
     }
     Some(out)
 }
@@ -311,9 +304,14 @@ pub enum Lease {
 }
 
 fn lease_record(owner: u64, expiry_ms: u64) -> Vec<u8> {
-    let mut rec = owner.to_le_bytes().to_vec();
-    rec.extend_from_slice(&expiry_ms.to_le_bytes());
-    rec
+    let mut w = Writer::new(LEASE_VERSION, 16);
+    w.u64(owner).u64(expiry_ms);
+    w.finish()
+}
+
+/// (owner, expiry); `None` if unreadable, which a contender takes over.
+fn decode_lease(buf: &[u8]) -> Option<(u64, u64)> {
+    store::decode(LEASE_VERSION, buf, |r| Some((r.u64()?, r.u64()?)))
 }
 
 /// `owner` must not be 0: owner 0 is the free lease a first contact writes.
@@ -321,10 +319,7 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
     let Some((value, cas)) = get_existing(store, LEASE_KEY, &lease_record(0, 0)) else {
         return Lease::Other;
     };
-    let current = value.as_deref().and_then(|b| {
-        let mut r = Reader::new(b);
-        Some((r.u64()?, r.u64()?))
-    });
+    let current = value.as_deref().and_then(decode_lease);
     let outcome = match current {
         Some((o, _)) if o == owner => Lease::Held,
         Some((_, expiry)) if now_ms < expiry => return Lease::Other,
@@ -407,10 +402,15 @@ mod tests {
         for cut in 0..good.len() {
             assert_eq!(Table::decode(&good[..cut]), Table::default());
         }
-        assert_eq!(
-            Table::decode(&[VERSION, 0xff, 0xff, 0xff, 0xff]),
-            Table::default()
-        );
+        let mut longer = good.clone();
+        longer.push(0);
+        assert_eq!(Table::decode(&longer), Table::default());
+        let too_many = store::seal(VERSION, &[0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(Table::decode(&too_many), Table::default());
+        // The same table in the version-2 layout (no envelope).
+        let mut v2 = vec![2];
+        v2.extend_from_slice(&good[store::HEADER_BYTES..]);
+        assert_eq!(Table::decode(&v2), Table::default());
     }
 
     #[test]
@@ -446,11 +446,14 @@ mod tests {
         t.record(1, Ok(&metrics(1.0)), 10);
         t.record(2, Ok(&metrics(2.0)), 10);
         let mut buf = t.encode();
-        // Row 1's adapter-name length byte (last row byte region): make the
-        // name list claim more names than allowed.
-        let row1_len = usize::from(u16::from_le_bytes([buf[5], buf[6]]));
-        let lists_at = 7 + 8 + 8 + 4 + 12 + 4;
-        assert!(lists_at < 7 + row1_len);
+        // Row 1's running-adapter count: make it claim more names than
+        // allowed. Rows start after the header and the row count, each
+        // behind its u32 length.
+        let row1 = store::HEADER_BYTES + 4;
+        let row1_len = u32::from_le_bytes(buf[row1..row1 + 4].try_into().unwrap()) as usize;
+        let body = row1 + 4;
+        let lists_at = body + 8 + 8 + 4 + 12 + 4;
+        assert!(lists_at < body + row1_len);
         buf[lists_at] = 200;
         let back = Table::decode(&buf);
         assert_eq!(back.rows().len(), 2);
@@ -458,7 +461,7 @@ mod tests {
         assert!(!back.eligible(1, &P, 10), "unreadable row: not trusted");
         // Non-finite floats written by anything read back sanitised.
         let mut raw = t.encode();
-        let waiting_at = 7 + 8 + 8 + 4;
+        let waiting_at = body + 8 + 8 + 4;
         raw[waiting_at..waiting_at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
         assert_eq!(Table::decode(&raw).row(1).unwrap().waiting, MAX_COUNT);
     }
@@ -489,6 +492,13 @@ mod tests {
         assert_eq!(acquire_lease(&s, 2, 500, 300), Lease::TookOver);
         assert_eq!(acquire_lease(&s, 1, 510, 300), Lease::Other);
         assert_eq!(acquire_lease(&s, 2, 600, 300), Lease::Held);
+        // A lease in another layout (the unversioned one of before) reads
+        // as absent: taken over, by compare-and-swap.
+        let mut old = 2u64.to_le_bytes().to_vec();
+        old.extend_from_slice(&10_000u64.to_le_bytes());
+        s.set(LEASE_KEY, &old, None).unwrap();
+        assert_eq!(acquire_lease(&s, 1, 700, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 2, 710, 300), Lease::Other);
     }
 
     /// A store where `rival` runs once, between our first read and our
@@ -547,9 +557,7 @@ mod tests {
             fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
                 let v = self.0.get(key);
                 // The rival writes between our read and our write.
-                let mut rec = 7u64.to_le_bytes().to_vec();
-                rec.extend_from_slice(&1000u64.to_le_bytes());
-                self.0.set(key, &rec, None).unwrap();
+                self.0.set(key, &lease_record(7, 1000), None).unwrap();
                 v
             }
             fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
@@ -557,7 +565,8 @@ mod tests {
             }
         }
         let s = MemStore::new();
-        s.set(LEASE_KEY, &[0u8; 16], None).unwrap();
+        s.set(LEASE_KEY, &lease_record(0, 0), None).unwrap();
         assert_eq!(acquire_lease(&Racy(&s), 1, 10, 300), Lease::Other);
+        assert_eq!(decode_lease(&s.get(LEASE_KEY).0.unwrap()), Some((7, 1000)));
     }
 }

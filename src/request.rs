@@ -113,12 +113,63 @@ struct InputItem<'a> {
     output: Option<Cow<'a, str>>,
 }
 
+/// Where rendered prompt bytes go: a buffer (`extract`), or straight into
+/// the checkpoint hasher (the filter: a long prompt is never copied).
+pub trait Sink {
+    fn push(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn push(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Sink for crate::prefix::Hasher {
+    fn push(&mut self, bytes: &[u8]) {
+        crate::prefix::Hasher::push(self, bytes);
+    }
+}
+
+/// What a body says besides its prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    pub model: String,
+    pub cache_salt: Option<String>,
+}
+
 /// Parse a body and render its prompt, keeping at most `cap` bytes.
 pub fn extract(body: &[u8], cap: usize) -> Result<Prompt, ParseError> {
-    let b: Body = serde_json::from_slice(body)?;
     // The rendering is about as long as the body: one allocation, no
     // regrowth copies of a long prompt.
-    let mut out = Render::new(cap.min(body.len() + 256));
+    let (h, text) = extract_into(body, cap, |_| Vec::with_capacity(cap.min(body.len() + 256)))?;
+    Ok(Prompt {
+        model: h.model,
+        cache_salt: h.cache_salt,
+        text,
+    })
+}
+
+/// Parse a body and render at most `cap` bytes of its prompt into the
+/// sink `make` builds from the body's model and salt.
+pub fn extract_into<S: Sink>(
+    body: &[u8],
+    cap: usize,
+    make: impl FnOnce(&Header) -> S,
+) -> Result<(Header, S), ParseError> {
+    let b: Body = serde_json::from_slice(body)?;
+    let header = Header {
+        model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
+        cache_salt: b
+            .cache_salt
+            .as_deref()
+            .map(|s| truncate_str(s, MAX_MODEL_BYTES).to_string()),
+    };
+    let mut out = Render {
+        sink: make(&header),
+        len: 0,
+        cap,
+    };
     if let Some(messages) = &b.messages {
         render_tools(&mut out, b.tools.as_ref(), b.functions.as_ref());
         for m in messages {
@@ -151,16 +202,10 @@ pub fn extract(body: &[u8], cap: usize) -> Result<Prompt, ParseError> {
     } else {
         return Err(ParseError::NoPrompt);
     }
-    Ok(Prompt {
-        model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
-        cache_salt: b
-            .cache_salt
-            .map(|s| truncate_str(&s, MAX_MODEL_BYTES).to_string()),
-        text: out.buf,
-    })
+    Ok((header, out.sink))
 }
 
-fn render_prompt(out: &mut Render, p: &PromptField) {
+fn render_prompt<S: Sink>(out: &mut Render<S>, p: &PromptField) {
     match p {
         PromptField::Text(t) => out.push(t.as_bytes()),
         PromptField::Texts(ts) => {
@@ -183,8 +228,8 @@ fn render_prompt(out: &mut Render, p: &PromptField) {
     }
 }
 
-fn render_tools(
-    out: &mut Render,
+fn render_tools<S: Sink>(
+    out: &mut Render<S>,
     tools: Option<&serde_json::Value>,
     funcs: Option<&serde_json::Value>,
 ) {
@@ -199,28 +244,23 @@ fn render_tools(
     }
 }
 
-/// A byte sink that stops growing at `cap`.
-struct Render {
-    buf: Vec<u8>,
+/// The renderer: writes the prompt to a sink, stopping at `cap` bytes.
+struct Render<S> {
+    sink: S,
+    len: usize,
     cap: usize,
 }
 
-impl Render {
-    fn new(cap: usize) -> Self {
-        Render {
-            buf: Vec::with_capacity(cap),
-            cap,
-        }
-    }
-
+impl<S: Sink> Render<S> {
     fn full(&self) -> bool {
-        self.buf.len() >= self.cap
+        self.len >= self.cap
     }
 
     fn push(&mut self, bytes: &[u8]) {
-        let room = self.cap.saturating_sub(self.buf.len());
+        let room = self.cap.saturating_sub(self.len);
         let take = bytes.len().min(room);
-        self.buf.extend_from_slice(&bytes[..take]);
+        self.sink.push(&bytes[..take]);
+        self.len += take;
     }
 
     fn tokens(&mut self, ids: &[i64]) {

@@ -4,12 +4,12 @@
 
 use crate::config::{Baseline, Config};
 use crate::discovery;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, ReplicaId};
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
 use crate::prefix::{self, Checkpoint};
 use crate::replicas::{HealthPolicy, Row, Table};
-use crate::request::Prompt;
+use crate::request::{self, Prompt};
 use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
 use crate::store::Store;
 
@@ -38,6 +38,25 @@ impl Hashed {
         Hashed {
             checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule()),
         }
+    }
+
+    /// Parse a body and hash its whole prompt in one pass: the rendered
+    /// prompt goes straight into the checkpoint hasher, never into one
+    /// buffer (a long prompt costs a parse and a hash, not a copy).
+    pub fn parse(
+        body: &[u8],
+        cfg: &Config,
+    ) -> Result<(request::Header, Hashed), request::ParseError> {
+        let (header, hasher) = request::extract_into(body, cfg.max_body_bytes, |h| {
+            let seed = prefix::seed(&h.model, h.cache_salt.as_deref());
+            prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule())
+        })?;
+        Ok((
+            header,
+            Hashed {
+                checkpoints: hasher.finish(),
+            },
+        ))
     }
 
     /// Whole blocks in the prompt (the last checkpoint ends there).
@@ -70,6 +89,8 @@ pub struct Meta<'a> {
     pub model: Option<&'a str>,
     /// The client marked it sheddable (priority header).
     pub sheddable: bool,
+    /// The replica a verified affinity token names (see `affinity`).
+    pub affinity: Option<ReplicaId>,
 }
 
 /// A request the filter answers itself instead of routing.
@@ -152,13 +173,14 @@ impl Router {
             bounded_load_factor: config.bounded_load_factor,
             bounded_load_slack: config.bounded_load_slack_blocks,
             trunk_min_new_blocks: config.trunk_min_new_blocks,
+            gateways: config.gateways,
         };
         // A slot is dead after 10 missed heartbeats (and never sooner than
         // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
         let stale_ms = (config.tick_ms * 10).max(2000);
         Router {
-            endpoints: config.endpoints.clone(),
-            discovered_only: vec![false; config.endpoints.len()],
+            endpoints: config.static_endpoints.clone(),
+            discovered_only: vec![false; config.static_endpoints.len()],
             discovery_token: None,
             index: PrefixIndex::new(config.index_capacity),
             params,
@@ -192,7 +214,7 @@ impl Router {
             return;
         }
         self.discovery_token = Some(token);
-        let mut eps = self.config.endpoints.clone();
+        let mut eps = self.config.static_endpoints.clone();
         let mut only = vec![false; eps.len()];
         for e in found {
             if !eps.iter().any(|s| s.id() == e.id()) {
@@ -309,6 +331,7 @@ impl Router {
                     waiting: row.map(|r| r.waiting).unwrap_or(0.0),
                     kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
                     lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
+                    affinity: meta.affinity == Some(id),
                 }
             })
             .collect();
@@ -647,7 +670,7 @@ mod tests {
         assert_eq!(parts.len(), 3);
         assert!(parts
             .iter()
-            .all(|p| r.config.endpoints.iter().any(|e| e.as_str() == *p)));
+            .all(|p| r.config.static_endpoints.iter().any(|e| e.as_str() == *p)));
         assert_eq!(c.reason, Reason::NoPrompt);
     }
 
@@ -746,7 +769,7 @@ mod tests {
         use crate::replicas::record_scrape;
         let r = router(r#","cluster":"pool""#);
         let s = MemStore::new();
-        let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
+        let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
         let busy = ReplicaMetrics {
             waiting: 9.0,
             ..ReplicaMetrics::default()
@@ -778,7 +801,7 @@ mod tests {
         use crate::replicas::record_scrape;
         let r = router(r#","cluster":"pool""#);
         let s = MemStore::new();
-        let ids: Vec<u64> = r.config.endpoints.iter().map(|e| e.id()).collect();
+        let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
         for _ in 0..3 {
             record_scrape(&s, ids[0], Err(()), &ids, 1000).unwrap();
         }

@@ -28,6 +28,8 @@ pub struct Candidate {
     pub waiting: f32,
     pub kv_usage: f32,
     pub lora: LoraFit,
+    /// The client's verified affinity token names this replica.
+    pub affinity: bool,
 }
 
 /// How well a replica fits the request's LoRA adapter, as the Inference
@@ -68,6 +70,8 @@ pub enum Reason {
     NewPrefix,
     /// New content below a shared trunk: placed like a new prefix.
     NewBranch,
+    /// The client's session-affinity token named the replica.
+    Affinity,
     /// No prompt to hash (no body, not an inference path, parse error).
     NoPrompt,
 }
@@ -79,6 +83,7 @@ impl Reason {
             Reason::LoadSpill => "load_spill",
             Reason::NewPrefix => "new_prefix",
             Reason::NewBranch => "new_branch",
+            Reason::Affinity => "affinity",
             Reason::NoPrompt => "no_prompt",
         }
     }
@@ -97,6 +102,10 @@ pub struct ScoreParams {
     /// be placed as new content below a trunk (see `rank_below`); shorter
     /// continuations (a question) stay with the prefix's holders.
     pub trunk_min_new_blocks: u32,
+    /// Independent gateway instances in front of the same replicas (see
+    /// `two_choices`); this instance sees about 1/gateways of the
+    /// in-flight work, so its counts are scaled up by it.
+    pub gateways: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -155,7 +164,8 @@ pub fn rank_below(
             reason: Reason::NoPrompt,
         };
     }
-    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
+    let scale = f64::from(p.gateways.max(1));
+    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load) * scale).collect();
     let mean = loads.iter().sum::<f64>() / cands.len() as f64;
     let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
     // The slack keeps a lightly loaded pool from treating a replica with a
@@ -212,6 +222,30 @@ pub fn rank_below(
         Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
         r => r,
     };
+    if p.gateways > 1 && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+        // Only what differs between replicas for any new content: load,
+        // queue, KV and LoRA (not the instance-local placement history).
+        let w = &p.weights;
+        let pressure: Vec<f64> = cands
+            .iter()
+            .zip(&loads)
+            .map(|(c, &l)| {
+                w.load * l
+                    + w.queue * c.waiting.max(0.0) as f64
+                    + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
+                    + c.lora.cost(w.lora)
+            })
+            .collect();
+        two_choices(cands, &pressure, &loads, bound, band, placement, &mut order);
+    }
+    // A session's replica, named by a token another instance may have
+    // issued, wins while it is not over the load bound.
+    let mut reason = reason;
+    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && loads[i] <= bound) {
+        order.retain(|&i| i != a);
+        order.insert(0, a);
+        reason = Reason::Affinity;
+    }
     Ranked {
         order,
         costs,
@@ -250,6 +284,45 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
     }
 }
 
+/// Placement that independent gateway instances agree on, without talking:
+/// new content goes to its first rendezvous candidate on the placement
+/// key, or to the second when the first is busier by more than `band`
+/// (load, queue, KV), and further down the rendezvous order only when both
+/// are over the load bound. Every instance computes the same two
+/// candidates from the content and the replica set, so the same new
+/// content lands on at most two replicas however many instances see it,
+/// on one when loads are near even, and the choice still balances load
+/// ("power of two choices"). `order` keeps the cost order behind the pick
+/// (fallbacks).
+fn two_choices(
+    cands: &[Candidate],
+    pressure: &[f64],
+    loads: &[f64],
+    bound: f64,
+    band: f64,
+    placement: u64,
+    order: &mut Vec<usize>,
+) {
+    let mut by_hash: Vec<usize> = (0..cands.len()).collect();
+    by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(placement, cands[i].id)));
+    let within = |i: &usize| loads.get(*i).is_some_and(|&l| l <= bound);
+    let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
+    let pick = match top[..] {
+        [a, b] if pressure[a] - pressure[b] > band => Some(b),
+        [a, ..] => Some(a),
+        [] => by_hash
+            .iter()
+            .skip(2)
+            .copied()
+            .find(within)
+            .or_else(|| order.first().copied()),
+    };
+    if let Some(pick) = pick {
+        order.retain(|&i| i != pick);
+        order.insert(0, pick);
+    }
+}
+
 /// Highest-random-weight hashing: each (key, replica) pair gets a weight,
 /// the highest wins. Adding a replica moves only the keys it now wins
 /// (about 1/N of them).
@@ -273,6 +346,7 @@ mod tests {
             bounded_load_factor: 1.5,
             bounded_load_slack: 64,
             trunk_min_new_blocks: 16,
+            gateways: 1,
         }
     }
 
@@ -288,6 +362,7 @@ mod tests {
             waiting: 0.0,
             kv_usage: 0.0,
             lora: LoraFit::NotApplicable,
+            affinity: false,
         }
     }
 
@@ -323,6 +398,73 @@ mod tests {
         for k in 0..100 {
             assert_eq!(rank(&c, 256, k, &params()).order[0], 1);
         }
+    }
+
+    #[test]
+    fn instances_with_different_local_loads_agree_on_two_replicas_at_most() {
+        // Three gateway instances, each seeing its own share of the
+        // in-flight work: for any new content, their picks fall within the
+        // content's two rendezvous candidates.
+        let mut p = params();
+        p.gateways = 3;
+        let views: Vec<Vec<Candidate>> = (0..3u64)
+            .map(|inst| {
+                (1..=8u64)
+                    .map(|id| cand(id, 0, 1, (id * 7 + inst * 13) % 40))
+                    .collect()
+            })
+            .collect();
+        let mut spread = std::collections::HashMap::new();
+        for key in 0..2000u64 {
+            let picks: std::collections::HashSet<u64> = views
+                .iter()
+                .map(|v| v[rank(v, 64, key, &p).order[0]].id)
+                .collect();
+            assert!(picks.len() <= 2, "key {key}: {picks:?}");
+            *spread
+                .entry(views[0][rank(&views[0], 64, key, &p).order[0]].id)
+                .or_insert(0) += 1;
+        }
+        // ...and still spread over the pool (the most loaded replica in
+        // this view loses every pair it is in).
+        assert!(spread.len() >= 7, "{spread:?}");
+        assert!(spread.values().all(|&n| n < 2000 * 2 / 8), "{spread:?}");
+        // With one instance nothing changes: the pick is always within
+        // one request's constant of the least loaded replica.
+        p.gateways = 1;
+        let v = &views[0];
+        let least = v.iter().map(|c| c.load.work).min().unwrap();
+        for k in 0..200u64 {
+            let picked = v[rank(v, 64, k, &p).order[0]].load.work;
+            assert!(picked < least + 8, "key {k}: work {picked} vs {least}");
+        }
+    }
+
+    #[test]
+    fn two_choices_spill_past_overloaded_candidates() {
+        let mut p = params();
+        p.gateways = 2;
+        let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
+        let key = 99;
+        let mut by_hash: Vec<usize> = (0..4).collect();
+        by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, c[i].id)));
+        // Both rendezvous candidates far over the bound.
+        c[by_hash[0]].load.work = 5000;
+        c[by_hash[1]].load.work = 5000;
+        let pick = rank(&c, 10, key, &p).order[0];
+        assert!(pick == by_hash[2] || pick == by_hash[3], "{pick}");
+    }
+
+    #[test]
+    fn an_affinity_token_wins_unless_its_replica_is_over_the_bound() {
+        let mut c = [cand(1, 0, 0, 0), cand(2, 128, 0, 0), cand(3, 0, 0, 0)];
+        c[0].affinity = true;
+        let r = rank(&c, 130, 5, &params());
+        assert_eq!((r.order[0], r.reason), (0, Reason::Affinity));
+        // Far over the bound: the token is not followed.
+        c[0].load.work = 5000;
+        let r = rank(&c, 130, 5, &params());
+        assert_eq!((r.order[0], r.reason), (1, Reason::PrefixHit));
     }
 
     #[test]
@@ -420,6 +562,24 @@ mod tests {
                 rank(&skew, 10, key, &params()).order[0]
             );
         }
+    }
+
+    #[test]
+    fn with_many_gateways_adding_a_replica_moves_about_one_in_n_too() {
+        let mut p = params();
+        p.gateways = 3;
+        let ids3: Vec<Candidate> = (1..=3).map(|id| cand(id, 0, 0, 0)).collect();
+        let ids4: Vec<Candidate> = (1..=4).map(|id| cand(id, 0, 0, 0)).collect();
+        let mut moved = 0;
+        for key in 0..4000u64 {
+            let a = ids3[rank(&ids3, 10, key, &p).order[0]].id;
+            let b = ids4[rank(&ids4, 10, key, &p).order[0]].id;
+            if a != b {
+                assert_eq!(b, 4, "a key moved between old replicas");
+                moved += 1;
+            }
+        }
+        assert!((800..1200).contains(&moved), "moved {moved} of 4000");
     }
 
     #[test]

@@ -127,8 +127,113 @@ pub fn get_existing<S: Store + ?Sized>(
     }
 }
 
-/// Little-endian fixed-width field readers that return `None` on short
-/// input, so a truncated record decodes as absent instead of panicking.
+/// Every shared-data record is `[version u8][payload length u32][payload]`,
+/// the payload written by `Writer` and read by `Reader`: little-endian
+/// fixed-width fields, and byte strings framed like the payload itself.
+///
+/// A record of another version (a filter of another release sharing the
+/// VM id during a rollout, or an old format), a truncated one or one with
+/// trailing bytes opens as `None`: every reader takes that as "absent",
+/// never as data.
+pub const HEADER_BYTES: usize = 5;
+
+/// Builds one record: `new(version)`, the fields, then `finish`.
+pub struct Writer {
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    pub fn new(version: u8, capacity: usize) -> Self {
+        let mut buf = Vec::with_capacity(HEADER_BYTES + capacity);
+        buf.extend_from_slice(&[version, 0, 0, 0, 0]);
+        Writer { buf }
+    }
+
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn f32(&mut self, v: f32) -> &mut Self {
+        self.u32(v.to_bits())
+    }
+
+    /// A count the caller has bounded (`Reader::count` checks the bound).
+    pub fn count(&mut self, n: usize) -> &mut Self {
+        self.u32(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// What `f` writes, behind its length: `Reader::bytes` takes it whole,
+    /// so a frame whose content doesn't parse costs only itself.
+    pub fn framed(&mut self, f: impl FnOnce(&mut Writer)) -> &mut Self {
+        let at = self.buf.len();
+        self.u32(0);
+        f(self);
+        self.close(at);
+        self
+    }
+
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        self.framed(|w| w.buf.extend_from_slice(s.as_bytes()))
+    }
+
+    /// The sealed record.
+    pub fn finish(mut self) -> Vec<u8> {
+        self.close(1);
+        self.buf
+    }
+
+    /// Fill in the length of the frame whose u32 length is at `at`.
+    fn close(&mut self, at: usize) {
+        let n = u32::try_from(self.buf.len() - at - 4).unwrap_or(u32::MAX);
+        if let Some(len) = self.buf.get_mut(at..at + 4) {
+            len.copy_from_slice(&n.to_le_bytes());
+        }
+    }
+}
+
+/// `payload` as a record of `version` (records are built with `Writer`;
+/// this is for tests and fuzzing).
+pub fn seal(version: u8, payload: &[u8]) -> Vec<u8> {
+    let mut w = Writer::new(version, payload.len());
+    w.buf.extend_from_slice(payload);
+    w.finish()
+}
+
+/// The payload of a record of `version`, if the record is one.
+pub fn open(version: u8, record: &[u8]) -> Option<&[u8]> {
+    let mut r = Reader::new(record);
+    if r.u8()? != version {
+        return None;
+    }
+    let payload = r.bytes()?;
+    r.is_empty().then_some(payload)
+}
+
+/// Open a record of `version` and parse its payload with `f`, which must
+/// consume it exactly; anything else is `None`.
+pub fn decode<'a, T>(
+    version: u8,
+    record: &'a [u8],
+    f: impl FnOnce(&mut Reader<'a>) -> Option<T>,
+) -> Option<T> {
+    let mut r = Reader::new(open(version, record)?);
+    let value = f(&mut r)?;
+    r.is_empty().then_some(value)
+}
+
+/// Reads `Writer`'s fields back; every read is `None` on short input, so a
+/// truncated record decodes as absent instead of panicking.
 pub struct Reader<'a> {
     buf: &'a [u8],
 }
@@ -161,6 +266,26 @@ impl<'a> Reader<'a> {
         self.take(8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes)
+    }
+
+    pub fn f32(&mut self) -> Option<f32> {
+        self.u32().map(f32::from_bits)
+    }
+
+    /// A `Writer::count`, if it is at most `max` (so a corrupt count can't
+    /// make a reader allocate or loop far).
+    pub fn count(&mut self, max: usize) -> Option<usize> {
+        usize::try_from(self.u32()?).ok().filter(|&n| n <= max)
+    }
+
+    /// A `Writer::framed` frame, whole.
+    pub fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = usize::try_from(self.u32()?).ok()?;
+        self.take(n)
+    }
+
+    pub fn str(&mut self) -> Option<&'a str> {
+        std::str::from_utf8(self.bytes()?).ok()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -198,6 +323,51 @@ mod tests {
         let r = update(&s, "k", 3, |v| Some(vec![v.unwrap()[0] + 1]));
         assert_eq!(r, Ok(0));
         assert_eq!(s.get("k").0.unwrap(), vec![10]);
+    }
+
+    #[test]
+    fn records_round_trip_and_anything_else_opens_as_none() {
+        let mut w = Writer::new(3, 0);
+        w.u8(1).u32(2).u64(3).f32(4.5).count(6).str("seven");
+        w.framed(|w| {
+            w.u8(8);
+        });
+        let rec = w.finish();
+        let read = |rec: &[u8]| {
+            decode(3, rec, |r| {
+                Some((
+                    r.u8()?,
+                    r.u32()?,
+                    r.u64()?,
+                    r.f32()?,
+                    r.count(6)?,
+                    r.str()?.to_string(),
+                    r.bytes()?.to_vec(),
+                ))
+            })
+        };
+        let want = (1, 2, 3, 4.5, 6, "seven".to_string(), vec![8]);
+        assert_eq!(read(&rec), Some(want));
+        assert_eq!(open(3, &rec), Some(&rec[HEADER_BYTES..]));
+        for cut in 0..rec.len() {
+            assert_eq!(read(&rec[..cut]), None, "truncated at {cut}");
+        }
+        let mut longer = rec.clone();
+        longer.push(0);
+        assert_eq!(read(&longer), None);
+        assert_eq!(
+            read(&seal(3, &longer[HEADER_BYTES..])),
+            None,
+            "unread bytes"
+        );
+        assert!(open(2, &rec).is_none() && open(4, &rec).is_none());
+        // A count above the reader's bound is refused.
+        let mut w = Writer::new(1, 4);
+        w.count(7);
+        let rec = w.finish();
+        assert_eq!(decode(1, &rec, |r| r.count(7)), Some(7));
+        assert_eq!(decode(1, &rec, |r| r.count(6)), None);
+        assert_eq!(seal(9, &[]), vec![9, 0, 0, 0, 0]);
     }
 
     #[test]

@@ -10,11 +10,12 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 use super::abi;
 use super::root::Worker;
 use super::shared::SharedData;
+use crate::affinity;
 use crate::config::{Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::ReplicaId;
 use crate::headers;
-use crate::request;
 use crate::route::{is_sheddable, Choice, Hashed, Meta, Reject};
+use crate::score::Reason;
 
 const DEBUG_HEADER: &str = "x-prefix-router-debug";
 
@@ -26,6 +27,8 @@ pub struct Http {
     waiting_for_body: bool,
     /// The priority header's value, read with the others in one host call.
     priority: Option<String>,
+    /// The replica a verified affinity token from the client names.
+    affinity: Option<ReplicaId>,
 }
 
 impl Http {
@@ -36,6 +39,7 @@ impl Http {
             debug: None,
             waiting_for_body: false,
             priority: None,
+            affinity: None,
         }
     }
 
@@ -54,6 +58,7 @@ impl Http {
         let meta = Meta {
             model: model.as_deref(),
             sheddable: self.priority.as_deref().is_some_and(is_sheddable),
+            affinity: self.affinity,
         };
         let choice = match w.router.decide(&SharedData, &hashed, meta, now) {
             Ok(c) => c,
@@ -76,6 +81,10 @@ impl Http {
             {
                 panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
             }
+        }
+        if self.affinity.is_some() && choice.reason != Reason::Affinity {
+            // A valid token whose replica is gone, ineligible or overloaded.
+            w.stats.affinity_rejected.inc();
         }
         let choice = apply_mode(w, choice);
         let Some(&first) = choice.order.first() else {
@@ -187,6 +196,27 @@ impl Http {
     }
 }
 
+/// The client's affinity token, verified, and stripped from the request
+/// (the upstream has no use for it). A forged, expired or foreign token is
+/// counted and ignored, never followed.
+fn read_affinity(
+    w: &Worker,
+    a: &crate::config::Affinity,
+    headers: &headers::Pairs,
+) -> Option<ReplicaId> {
+    let token = headers::get(headers, &a.header)?;
+    let _ = abi::remove_header(MapType::HttpRequestHeaders, &a.header);
+    let now_s = super::now_ms() / 1000;
+    match affinity::verify(a.key.as_bytes(), token, now_s, a.max_age_s) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            log::debug!("prefix-router: affinity token ignored: {e}");
+            w.stats.affinity_rejected.inc();
+            None
+        }
+    }
+}
+
 /// Parse and hash the body (none: nothing to hash). A body that doesn't
 /// parse is counted and routed on load alone.
 fn hash_body(w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
@@ -195,8 +225,8 @@ fn hash_body(w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
         return (Hashed::default(), None);
     };
     // The whole prompt: its checkpoints reach its end (see `prefix`).
-    match request::extract(b, cfg.max_body_bytes) {
-        Ok(prompt) => (Hashed::of(&prompt, cfg), Some(prompt.model)),
+    match Hashed::parse(b, cfg) {
+        Ok((header, hashed)) => (hashed, Some(header.model)),
         Err(e) => {
             // Debug level: a client sending junk must not flood logs.
             log::debug!("prefix-router: unparsable inference body: {e}");
@@ -240,6 +270,9 @@ impl HttpContext for Http {
             let w = worker.borrow();
             let cfg = &w.router.config;
             self.priority = headers::get_str(&headers, &cfg.priority_header).map(str::to_string);
+            if let Some(a) = &cfg.affinity {
+                self.affinity = read_affinity(&w, a, &headers);
+            }
             let post = headers::get_str(&headers, ":method")
                 .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
             post && headers::get_str(&headers, ":path").is_some_and(|p| cfg.is_inference_path(p))
@@ -289,6 +322,15 @@ impl HttpContext for Http {
         let _ = abi::remove_header(MapType::HttpResponseHeaders, DEBUG_HEADER);
         if let Some(d) = &self.debug {
             let _ = abi::replace_header(MapType::HttpResponseHeaders, DEBUG_HEADER, d);
+        }
+        if let (Some((id, _)), Some(w)) = (self.routed, &self.worker) {
+            let w = w.borrow();
+            if let Some(a) = &w.router.config.affinity {
+                // The session's replica, for the client to send back to
+                // whichever gateway instance it reaches next.
+                let token = affinity::mint(a.key.as_bytes(), id, super::now_ms() / 1000);
+                let _ = abi::replace_header(MapType::HttpResponseHeaders, &a.header, &token);
+            }
         }
         Action::Continue
     }

@@ -79,7 +79,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let stats = Stats::define(&config.endpoints);
+        let stats = Stats::define(&config.static_endpoints);
         let router = Router::new(config);
         let owner = owner_id();
         let board = LoadBoard::new(owner, router.stale_ms());
@@ -104,7 +104,7 @@ impl RootContext for Root {
         }
         log::info!(
             "prefix-router: configured with {} replicas, header `{}`",
-            router.config.endpoints.len(),
+            router.config.static_endpoints.len(),
             router.config.destination_header
         );
         self.worker = Some(Rc::new(RefCell::new(Worker {

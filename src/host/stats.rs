@@ -69,6 +69,8 @@ pub struct Stats {
     pub load_spill: Metric,
     pub new_prefix: Metric,
     pub new_branch: Metric,
+    pub affinity: Metric,
+    pub affinity_rejected: Metric,
     pub no_prompt: Metric,
     pub parse_errors: Metric,
     pub body_too_large: Metric,
@@ -107,6 +109,8 @@ impl Stats {
             load_spill: c("decision.load_spill"),
             new_prefix: c("decision.new_prefix"),
             new_branch: c("decision.new_branch"),
+            affinity: c("decision.affinity"),
+            affinity_rejected: c("affinity.rejected"),
             no_prompt: c("decision.no_prompt"),
             parse_errors: c("parse_errors"),
             body_too_large: c("body_too_large"),
@@ -136,6 +140,7 @@ impl Stats {
             Reason::LoadSpill => self.load_spill,
             Reason::NewPrefix => self.new_prefix,
             Reason::NewBranch => self.new_branch,
+            Reason::Affinity => self.affinity,
             Reason::NoPrompt => self.no_prompt,
         }
     }

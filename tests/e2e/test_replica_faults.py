@@ -93,8 +93,15 @@ def run_fault(fault: str, mode: str, policy: str | None):
         extra = {"bytes": 40 << 20} if fault == "huge" else {}
         set_metrics_fault(bad, fault, **extra)
         with fault_envoy(pool, mode, policy) as envoy:
-            # Excluded within 3 scrape intervals (plus the first round).
-            time.sleep(4 * INTERVAL_MS / 1000 + 0.2)
+            # Excluded within a few scrape intervals of the lease being
+            # taken (absurd: not excluded, but its clamped queue is seen).
+            started = time.time()
+            if fault == "absurd":
+                seen = lambda: envoy.stat(f"{stat_label(bad)}.waiting") == 1_000_000  # noqa: E731
+            else:
+                seen = lambda: envoy.stat("prefix_router.eligible_replicas") == 3  # noqa: E731
+            assert wait_until(seen, timeout=5, step=0.05), fault
+            assert time.time() - started < 3.0
             before_bad = routed(envoy, bad)
             before_total = envoy.stat("prefix_router.requests_total")
             statuses = steady_load(envoy.port, 3.0)

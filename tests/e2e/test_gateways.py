@@ -1,0 +1,92 @@
+"""Many gateways, one placement: three independent Envoy processes (no
+shared state) in front of the same replicas. New content is placed by a
+function of the content and the replica set that every instance computes
+alike, so a group keeps its replica whichever instance each request
+reaches; a session-affinity token minted by one instance is honoured by
+another; forged and foreign tokens are ignored and counted."""
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import Counter, defaultdict
+
+from harness import backends, completion, filter_envoy, request
+
+KEY = "gateway-shared-secret-0123456789abcdef"
+AFFINITY = "x-prefix-router-affinity"
+
+
+def doc(group: int) -> str:
+    return f"Document {group} about topic {group * 7919 % 1000}. " + (
+        f"Paragraph of group {group} with facts and figures. " * 60
+    )
+
+
+@contextlib.contextmanager
+def gateways(pool, n=3, key=KEY):
+    plugin = {"gateways": n, "debug_header": True, "affinity": {"key": key}}
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(filter_envoy(pool, plugin, concurrency=1)) for _ in range(n)]
+
+
+def test_groups_keep_their_replica_whichever_instance_a_request_reaches():
+    rng = random.Random(7)
+    with backends(4) as bs, gateways([b.addr for b in bs]) as gws:
+        served = defaultdict(Counter)
+        for q in range(6):
+            for g in range(16):
+                gw = rng.choice(gws)
+                status, headers, _ = request(gw.port, body=completion(doc(g) + f" Question {q}?"))
+                assert status == 200
+                served[g][headers["x-served-by"]] += 1
+        for g, c in served.items():
+            assert len(c) == 1, (g, c)
+        homes = Counter(next(iter(c)) for c in served.values())
+        assert len(homes) >= 3, homes
+        # Each instance placed groups it had never seen and agreed.
+        assert all(gw.stat("prefix_router.decision.new_prefix") >= 1 for gw in gws)
+
+
+def test_session_affinity_survives_a_hop_between_instances():
+    with backends(4) as bs, gateways([b.addr for b in bs]) as (a, b, c):
+        # A conversation on instance A: its token names the replica.
+        status, headers, _ = request(a.port, body=completion(doc(1) + " Turn 1?"))
+        assert status == 200
+        token = headers[AFFINITY]
+        first = headers["x-served-by"]
+        # Another conversation, whose own placement is elsewhere, sent to
+        # instance B with A's token: B follows the token.
+        for g in range(2, 40):
+            status, headers, _ = request(b.port, body=completion(doc(g) + " Turn 1?"))
+            if headers["x-served-by"] != first:
+                break
+        else:
+            raise AssertionError("every group landed on the token's replica")
+        status, headers, _ = request(
+            b.port, body=completion(doc(g) + " Turn 2?"), headers=[(AFFINITY, token)]
+        )
+        assert status == 200
+        assert headers["x-served-by"] == first
+        assert "reason=affinity" in headers["x-prefix-router-debug"]
+        assert b.stat("prefix_router.decision.affinity") == 1
+        # The upstream never sees the token.
+        assert all(AFFINITY not in r["headers"] for be in bs for r in be.requests)
+
+
+def test_forged_and_foreign_tokens_are_ignored_and_counted():
+    with backends(3) as bs:
+        pool = [b.addr for b in bs]
+        with gateways(pool, n=1) as (gw,), gateways(pool, n=1, key="another-key-" + "x" * 30) as (other,):
+            _, headers, _ = request(other.port, body=completion(doc(1) + " Q?"))
+            foreign = headers[AFFINITY]
+            _, headers, _ = request(gw.port, body=completion(doc(2) + " Q?"))
+            good = headers[AFFINITY]
+            forged = good[:15] + ("0" if good[15] != "0" else "1") + good[16:]
+            for bad in (foreign, forged, "not-a-token", "f" * 56):
+                status, headers, _ = request(
+                    gw.port, body=completion(doc(3) + " Q?"), headers=[(AFFINITY, bad)]
+                )
+                assert status == 200
+                assert "reason=affinity" not in headers["x-prefix-router-debug"]
+            assert gw.stat("prefix_router.affinity.rejected") == 4
+            assert gw.stat("prefix_router.decision.affinity") == 0
