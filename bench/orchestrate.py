@@ -32,11 +32,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: E402  (render_config, Envoy, free_port)
 import report  # noqa: E402
+from testkit import harness  # noqa: E402  (render_config, Envoy, free_port)
 
 SIM_BIN = ROOT / "target" / "release" / "replica-sim"
 BENCH_BIN = ROOT / "target" / "release" / "prefix-bench"
@@ -119,13 +119,17 @@ def cpu_seconds(pid: int) -> float:
 class Sim:
     """One replica-sim process serving N replicas on free ports."""
 
-    def __init__(self, replicas: int, preset: str, time_scale: float, kv_tokens: int | None):
+    def __init__(self, replicas: int, preset: str, time_scale: float, kv_tokens: int | None,
+                 max_model_len: int | None = None):
         self.args = [
             str(SIM_BIN), "--port", "0", "--replicas", str(replicas),
             "--preset", preset, "--time-scale", str(time_scale),
         ]
         if kv_tokens:
             self.args += ["--kv-tokens", str(kv_tokens)]
+        if max_model_len:
+            # replica-sim clamps it to the KV capacity.
+            self.args += ["--max-model-len", str(max_model_len)]
         self.replicas = replicas
         self.proc: subprocess.Popen | None = None
         self.addrs: list[str] = []
@@ -227,6 +231,13 @@ def venv_tool(name: str) -> str | None:
 
 # Extra prefix-router plugin keys from --plugin (tuning experiments).
 PLUGIN_EXTRA: dict = {}
+# The wasm module under test (--wasm; default: scripts/build's).
+WASM_PATH: list[Path] = [harness.WASM]
+# Envoy's per-connection buffer limit (listener). The filter buffers the
+# whole request body, so this is the largest prompt it can route; the
+# agentic workload sends bodies of 200+ KB. Set here, not left to the dev
+# configs.
+BUFFER_LIMIT = 16 * 1024 * 1024
 
 
 def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
@@ -234,15 +245,16 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
 
     prefix-router runs as recommended: metrics scraping on (`cluster`),
     plus whatever --plugin adds."""
+    limits = {"buffer_limit": BUFFER_LIMIT, "wasm_path": WASM_PATH[0]}
     if kind == "prefix-router":
         plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **PLUGIN_EXTRA}
-        return harness.render_config("override_host", plugin, pool, port, admin)
+        return harness.render_config("override_host", plugin, pool, port, admin, **limits)
     if kind == "prefix-router-odst":
         plugin = {"endpoints": pool, "cluster": "pool", **PLUGIN_EXTRA}
-        return harness.render_config("original_dst", plugin, pool, port, admin)
+        return harness.render_config("original_dst", plugin, pool, port, admin, **limits)
     # Envoy's own policies: the override_host config without the wasm filter
     # and with a plain lb_policy.
-    cfg = harness.render_config("override_host", {"endpoints": pool}, pool, port, admin)
+    cfg = harness.render_config("override_host", {"endpoints": pool}, pool, port, admin, **limits)
     listener = cfg["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
@@ -256,10 +268,14 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
     return cfg
 
 
+# Workloads of conversations / sessions: TTFT over turns 2+ is reported too.
+SESSION_WORKLOADS = ("multi-turn", "agentic")
+
+
 def later_turns_ttft(doc: dict, time_scale: float) -> dict | None:
-    """TTFT percentiles (simulated ms) over turns 2+ of every conversation:
-    the first turn is a cold prefill for any router, so this is the part
-    routing decides."""
+    """TTFT percentiles (simulated ms) over turns 2+ of every conversation
+    or agent session: the first turn is a cold prefill for any router, so
+    this is the part routing decides."""
     recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
     seen, later = set(), []
     for r in recs:
@@ -271,6 +287,42 @@ def later_turns_ttft(doc: dict, time_scale: float) -> dict | None:
     later.sort()
     pick = lambda q: later[min(len(later) - 1, round((len(later) - 1) * q))]  # noqa: E731
     return {"n": len(later), "mean": sum(later) / len(later), "p50": pick(0.5), "p95": pick(0.95)}
+
+
+# Open-loop workloads whose cold start (a long preamble prefilled on every
+# replica, a backlog behind it) is a large part of a short run: TTFT over the
+# requests sent after the first quarter of the run is reported too.
+WARM_WORKLOADS = ("long-preamble",)
+
+
+def warm_ttft(doc: dict, time_scale: float, skip: float = 0.25) -> dict | None:
+    """TTFT percentiles (simulated ms) over the requests sent after the
+    first `skip` of the sending period: caches warm, start-up backlog gone."""
+    recs = [r for r in doc.get("records", []) if r.get("ok") and r.get("ttft_ms") is not None]
+    if not recs:
+        return None
+    t0 = min(r["start_s"] for r in recs)
+    t1 = max(r["start_s"] for r in recs)
+    cut = t0 + skip * (t1 - t0)
+    warm = sorted(r["ttft_ms"] / time_scale for r in recs if r["start_s"] >= cut)
+    if not warm:
+        return None
+    pick = lambda q: warm[min(len(warm) - 1, round((len(warm) - 1) * q))]  # noqa: E731
+    return {"n": len(warm), "skip": skip, "after_s": (cut - t0) / time_scale,
+            "mean": sum(warm) / len(warm), "p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99)}
+
+
+def key_affinity(doc: dict) -> float | None:
+    """Share of requests served by the replica that served their key (group,
+    document, conversation, session) most often: 1.0 = every key sticks to
+    one replica; about 1/replicas = no affinity."""
+    by_key: dict[str, dict[str, int]] = {}
+    for r in doc.get("records", []):
+        if r.get("ok") and r.get("served_by"):
+            counts = by_key.setdefault(r.get("key", ""), {})
+            counts[r["served_by"]] = counts.get(r["served_by"], 0) + 1
+    total = sum(sum(c.values()) for c in by_key.values())
+    return sum(max(c.values()) for c in by_key.values()) / total if total else None
 
 
 class Router:
@@ -294,8 +346,8 @@ class Router:
         if self.is_envoy:
             if not Path(harness.envoy_bin()).exists() and not shutil.which(harness.envoy_bin()):
                 return "envoy not found (run scripts/setup)"
-            if self.kind.startswith("prefix-router") and not harness.WASM.exists():
-                return f"{harness.WASM} missing (run scripts/build)"
+            if self.kind.startswith("prefix-router") and not WASM_PATH[0].exists():
+                return f"{WASM_PATH[0]} missing (run scripts/build)"
             return None
         tool = {"sglang-router": "smg", "vllm-router": "vllm-router"}[self.kind]
         if venv_tool(tool) is None and not (self.kind == "sglang-router" and venv_tool("sglang-router")):
@@ -436,6 +488,34 @@ def profiles(a) -> dict[str, dict]:
                   "--max-tokens", str(a.max_tokens or 32),
                   "unique", "--prompts", "2000", "--prompt-tokens", "256"],
         ),
+        # One ~40 KB shared system message (instructions + JSON tools, about
+        # 13.6k tokens: longer than any fixed hashing window), then one of
+        # 64 documents (1-2k tokens, Zipf 0.8) and a question. 48k tokens of
+        # KV per replica: the preamble plus about 20 documents, so one
+        # replica holds under a third of the 103k tokens of documents while
+        # the pool of 4 holds them all. Sized for this machine: --scale
+        # doesn't change it.
+        "long-preamble": dict(
+            replicas=a.replicas or 4, preset=a.preset or "a10g-7b",
+            time_scale=a.time_scale or 0.25, kv_tokens=a.kv_tokens or 48_000,
+            load=["--mode", "open", "--rate", str(a.rate or 8.0),
+                  "--max-tokens", str(a.max_tokens or 32),
+                  "long-preamble", "--prompts", str(a.lp_prompts), "--documents", str(a.documents),
+                  "--preamble-bytes", "40000", "--zipf", str(a.zipf)],
+        ),
+        # 8 agent sessions (closed loop each) sharing ~40 KB of tools +
+        # system prompt (~15.5k tokens); 10-30 turns, each adding a tool call
+        # and a 2-8 KB tool result, up to ~75k tokens (200 KB) a session.
+        # 128k tokens of KV per replica (a larger card than the preset's
+        # 100k): two sessions' histories fit, all eight (~430k tokens) don't.
+        "agentic": dict(
+            replicas=a.replicas or 4, preset=a.preset or "a10g-7b",
+            time_scale=a.time_scale or 0.25, kv_tokens=a.kv_tokens or 128_000,
+            max_model_len=131_072,
+            load=["--max-tokens", str(a.max_tokens or 32),
+                  "agentic", "--sessions", str(a.sessions), "--min-turns", "10", "--max-turns", "30",
+                  "--shared-bytes", "40000", "--think", str(a.agent_think)],
+        ),
     }
 
 
@@ -514,7 +594,10 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
         "router_cpu_s": router_cpu,
         "wall_s": wall,
         "filter_stats": fstats,
-        "ttft_later_turns_ms": later_turns_ttft(doc, prof["time_scale"]) if workload == "multi-turn" else None,
+        "ttft_later_turns_ms": (later_turns_ttft(doc, prof["time_scale"])
+                                if workload in SESSION_WORKLOADS else None),
+        "ttft_warm_ms": warm_ttft(doc, prof["time_scale"]) if workload in WARM_WORKLOADS else None,
+        "key_affinity": key_affinity(doc),
         "records_file": f"runs/{workload}--{kind}.json",
     })
     log(f"[{workload}] {kind}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "
@@ -522,20 +605,39 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+# What `--workload all` runs, in order.
+WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic")
+
+
+def module_info(path: Path) -> dict:
+    """Which prefix-router build was measured: path, size, mtime, sha256."""
+    import hashlib
+
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return {"path": str(path), "missing": True}
+    return {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()[:16],
+            "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(path.stat().st_mtime))}
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="shared-prefix",
-                    help="shared-prefix | multi-turn | unique | replay | all (comma-separated list allowed)")
+                    help=f"{' | '.join(WORKLOADS)} | replay | all (comma-separated list allowed)")
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS),
                     help=f"comma-separated, from: {', '.join(ALL_ROUTERS)}")
     ap.add_argument("--scale", type=float, default=0.1,
                     help="shrinks shared-prefix/unique counts and the KV cache together (1 = published size)")
-    ap.add_argument("--replicas", type=int, default=0, help="default: 8 (shared-prefix, unique), 4 (multi-turn)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="default: 8 (shared-prefix, unique), 4 (multi-turn, long-preamble, agentic)")
     ap.add_argument("--preset", default=None, help="replica-sim preset: fast | a10g-7b | l4-7b")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="replica-sim time scale (real s per simulated s); latencies are reported in simulated ms")
-    ap.add_argument("--kv-tokens", type=int, default=None, help="KV cache tokens per replica (default: 100k x scale)")
-    ap.add_argument("--rate", type=float, default=None, help="open-loop arrivals per simulated second (default 12)")
+    ap.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV cache tokens per replica (default: 100k x scale; long-preamble 48k, agentic 128k)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="open-loop arrivals per simulated second (default 12; long-preamble 8)")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--groups", type=int, default=150)
     ap.add_argument("--prompts", type=int, default=9000)
@@ -543,12 +645,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=11)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--think", type=float, default=15.0, help="multi-turn mean think time, simulated s")
+    ap.add_argument("--lp-prompts", type=int, default=2000, help="long-preamble requests")
+    ap.add_argument("--documents", type=int, default=64, help="long-preamble documents")
+    ap.add_argument("--zipf", type=float, default=0.8, help="long-preamble document popularity skew")
+    ap.add_argument("--sessions", type=int, default=8, help="agentic sessions")
+    ap.add_argument("--agent-think", type=float, default=5.0,
+                    help="agentic mean think time (tool execution) between turns, simulated s")
     ap.add_argument("--trace", type=Path, default=None, help="JSONL trace for --workload replay")
     ap.add_argument("--speedup", type=float, default=1.0, help="replay speed-up")
     ap.add_argument("--envoy-concurrency", type=int, default=2)
     ap.add_argument("--envoy-instances", type=int, default=1,
                     help="independent Envoy instances splitting the clients")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--wasm", type=Path, default=None,
+                    help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")
     ap.add_argument("--plugin", default="{}",
                     help="JSON object of extra prefix-router plugin keys, e.g. '{\"bounded_load_factor\": 2}'")
     ap.add_argument("--max-run-seconds", type=float, default=300.0, help="real seconds of sending per run")
@@ -557,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--demo", action="store_true",
                     help="short: prefix-router vs round robin on shared-prefix (~1 minute)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     try:
         PLUGIN_EXTRA.clear()
@@ -569,10 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         a.time_scale = a.time_scale or 0.2
         a.max_run_seconds = min(a.max_run_seconds, 60.0)
         a.drain_seconds = min(a.drain_seconds, 60.0)
-    workloads = ["shared-prefix", "multi-turn", "unique"] if a.workload == "all" else a.workload.split(",")
+    WASM_PATH[0] = (a.wasm or harness.WASM).resolve()
+    workloads = list(WORKLOADS) if a.workload == "all" else [w.strip() for w in a.workload.split(",")]
     routers = [r.strip() for r in a.routers.split(",") if r.strip()]
     for w in workloads:
-        if w not in ("shared-prefix", "multi-turn", "unique", "replay"):
+        if w not in (*WORKLOADS, "replay"):
             ap.error(f"unknown workload {w}")
     if "replay" in workloads and not (a.trace and a.trace.exists()):
         ap.error("--workload replay needs --trace FILE (JSONL)")
@@ -588,14 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     (outdir / "runs").mkdir(parents=True, exist_ok=True)
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv,
                "envoy_concurrency": a.envoy_concurrency, "envoy_instances": a.envoy_instances,
-               "workloads": {}}
+               "wasm": module_info(WASM_PATH[0]), "workloads": {}}
     t_start = time.time()
     for w in workloads:
         prof = profiles(a)[w]
         log(f"[{w}] {prof['replicas']} replicas, preset {prof['preset']}, time scale {prof['time_scale']}, "
             f"KV {prof['kv_tokens'] or 'preset'} tokens each")
         rows = []
-        with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"]) as sim:
+        with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"],
+                 prof.get("max_model_len")) as sim:
             for r in routers:
                 rows.append(one_run(w, r, sim, prof, a, outdir))
         results["workloads"][w] = {"setup": {k: v for k, v in prof.items() if k != "load"},

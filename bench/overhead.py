@@ -24,10 +24,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT))
 
-import harness  # noqa: E402
 import orchestrate  # noqa: E402
+from testkit import harness  # noqa: E402
 
 TOOL = ROOT / "target" / "release" / "overhead"
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -14,6 +14,8 @@ WORKLOAD_TITLES = {
     "shared-prefix": "shared-prefix (groups of requests sharing a long prefix)",
     "multi-turn": "multi-turn (conversations resending their history)",
     "unique": "unique (no shared prefix: the control)",
+    "long-preamble": "long-preamble (one long shared system prompt + tools, then one of many documents)",
+    "agentic": "agentic (agent sessions: shared tools, growing tool-call history)",
 }
 
 
@@ -27,6 +29,28 @@ def _ms(x) -> str:
     return f"{x:,.0f}"
 
 
+def _distinct_content(data: dict) -> str | None:
+    """How much shared (cacheable) prompt content the workload had, against
+    one replica's KV cache and the pool's (from the upper bound's blocks)."""
+    setup = data.get("setup", {})
+    for r in data.get("runs", []):
+        ub = r.get("upper_bound") or {}
+        if r.get("skipped") or not ub.get("distinct_blocks"):
+            continue
+        bs = ub.get("block_size", 16)
+        line = (f"Prompt content (as {r['router']} sent it): {ub.get('prompt_tokens', 0):,} prompt tokens "
+                f"in {ub.get('requests', 0):,} requests, {ub['distinct_blocks'] * bs:,} distinct")
+        shared = ub.get("shared_blocks")
+        if shared is not None:
+            line += f", of which {shared * bs:,} sent by more than one request (the content a cache can reuse)"
+            kv = setup.get("kv_tokens")
+            if kv:
+                line += (f": {shared * bs / kv:.1f}x one replica's KV cache, "
+                         f"{shared * bs / (kv * (setup.get('replicas') or 1)):.2f}x the pool's")
+        return line + "."
+    return None
+
+
 def render(results: dict) -> str:
     out = ["# prefix-router benchmark", ""]
     out.append(
@@ -38,6 +62,11 @@ def render(results: dict) -> str:
         "(one cache that has seen every earlier request: each distinct 16-token prefix block computed once)."
     )
     out.append("")
+    wasm = results.get("wasm") or {}
+    if wasm.get("sha256"):
+        out.append(f"prefix-router module: `{wasm['path']}` ({wasm['bytes']:,} bytes, sha256 {wasm['sha256']}..., "
+                   f"built {wasm['mtime']} UTC).")
+        out.append("")
     if results.get("commands"):
         out.append("Merged from: " + "; ".join(f"`{c}`" for c in results["commands"]) + ".")
         out.append("")
@@ -45,12 +74,17 @@ def render(results: dict) -> str:
         setup = data.get("setup", {})
         out.append(f"## {WORKLOAD_TITLES.get(w, w)}")
         out.append("")
+        mml = f", max model length {setup['max_model_len']}" if setup.get("max_model_len") else ""
         out.append(
             f"{setup.get('replicas')} replicas, preset `{setup.get('preset')}`, time scale "
-            f"{setup.get('time_scale')}, KV cache {setup.get('kv_tokens') or 'preset default'} tokens per replica; "
+            f"{setup.get('time_scale')}, KV cache {setup.get('kv_tokens') or 'preset default'} tokens per replica{mml}; "
             f"load: `{' '.join(data.get('load_args', []))}`"
         )
         out.append("")
+        distinct = _distinct_content(data)
+        if distinct:
+            out.append(distinct)
+            out.append("")
         out.append(
             "| router | req/s | TTFT mean | TTFT p50 | TTFT p95 | TTFT p99 | ITL p50 | e2e p95 "
             "| hit rate | bound | share max/mean | peak waiting | errors |"
@@ -74,6 +108,8 @@ def render(results: dict) -> str:
                 f"{r['router']}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s real; "
                 f"load generator {lg.get('cpu_s', 0):.2f} CPU s ({100 * lg.get('cpu_util', 0):.0f}% of a core), "
                 f"router {r.get('router_cpu_s', 0):.2f} CPU s"
+                + (f"; {100 * r['key_affinity']:.0f}% of requests on their key's usual replica"
+                   if r.get("key_affinity") is not None else "")
                 + (f"; errors: {r['error_kinds']}" if r.get("error_kinds") else "")
                 + (
                     "; filter decisions: "
@@ -90,13 +126,26 @@ def render(results: dict) -> str:
         later = [(r["label"], r["ttft_later_turns_ms"]) for r in data.get("runs", [])
                  if not r.get("skipped") and r.get("ttft_later_turns_ms")]
         if later:
-            out.append("Turns 2 and later only (the first turn of a conversation is a cold prefill "
-                       "for every router; these are the requests routing decides):")
+            out.append("Turns 2 and later only (the first turn of a conversation or session is a cold "
+                       "prefill for every router; these are the requests routing decides):")
             out.append("")
             out.append("| router | requests | TTFT mean | TTFT p50 | TTFT p95 |")
             out.append("|---|---:|---:|---:|---:|")
             for label, t in later:
                 out.append(f"| {label} | {t['n']} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p95'])} |")
+            out.append("")
+        warm = [(r["label"], r["ttft_warm_ms"]) for r in data.get("runs", [])
+                if not r.get("skipped") and r.get("ttft_warm_ms")]
+        if warm:
+            after = warm[0][1].get("after_s", 0)
+            out.append(f"Warm only: requests sent after the first quarter of the run ({after:,.0f} simulated s: "
+                       "every replica has prefilled the preamble and worked off the start-up backlog):")
+            out.append("")
+            out.append("| router | requests | TTFT mean | TTFT p50 | TTFT p95 | TTFT p99 |")
+            out.append("|---|---:|---:|---:|---:|---:|")
+            for label, t in warm:
+                out.append(f"| {label} | {t['n']} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p95'])} "
+                           f"| {_ms(t['p99'])} |")
             out.append("")
         if notes:
             out.append("<details><summary>run notes</summary>")

@@ -6,9 +6,9 @@ documents) and prints which replica served each and why.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import Envoy, backends, completion, free_port, render_config, request  # noqa: E402
+from testkit.harness import Envoy, backends, completion, free_port, render_config, request  # noqa: E402
 
 
 def main() -> int:

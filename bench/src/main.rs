@@ -12,6 +12,7 @@
 //! every request still in flight is cut and counted as an error.
 
 mod client;
+mod content;
 mod stats;
 mod text;
 mod workload;
@@ -29,7 +30,7 @@ use tokio::time::Instant as TInstant;
 
 use client::{Outcome, Pool};
 use stats::Record;
-use workload::{Conversation, Plan, Planned};
+use workload::{Conversation, Plan, Planned, Session};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -99,6 +100,12 @@ struct Cli {
     /// Leave per-request records out of the JSON.
     #[arg(long)]
     no_records: bool,
+    /// Send nothing: write the planned requests as a JSONL trace in the
+    /// replay format (timestamp, path, session_id, turn, body) to --out or
+    /// stdout. Sessions get start + think times as timestamps. Not for
+    /// multi-turn (its history holds the server's answers).
+    #[arg(long)]
+    dry_run: bool,
     #[command(subcommand)]
     workload: Workload,
 }
@@ -142,6 +149,54 @@ enum Workload {
         /// Mean think time between turns, simulated seconds (exponential).
         #[arg(long, default_value_t = 2.0)]
         think: f64,
+    },
+    /// Every request: one long shared system message (instructions + JSON
+    /// tool definitions, longer than any fixed hashing window), then one of
+    /// G documents (Zipf-skewed popularity) and a question. Chat API.
+    LongPreamble {
+        #[arg(long, default_value_t = 2000)]
+        prompts: usize,
+        #[arg(long, default_value_t = 64)]
+        documents: usize,
+        /// Bytes of the shared system message.
+        #[arg(long, default_value_t = 40_000)]
+        preamble_bytes: usize,
+        #[arg(long, default_value_t = 1000)]
+        doc_tokens_min: usize,
+        #[arg(long, default_value_t = 2000)]
+        doc_tokens_max: usize,
+        #[arg(long, default_value_t = 32)]
+        question_tokens: usize,
+        /// Zipf exponent of document popularity (0 = uniform).
+        #[arg(long, default_value_t = 0.8)]
+        zipf: f64,
+    },
+    /// S agent sessions (closed loop each) sharing a tool set + system
+    /// prompt; every turn resends the history plus an assistant tool call
+    /// and its tool result, after a think time. Chat API with `tools`.
+    Agentic {
+        #[arg(long, default_value_t = 8)]
+        sessions: usize,
+        #[arg(long, default_value_t = 10)]
+        min_turns: usize,
+        #[arg(long, default_value_t = 30)]
+        max_turns: usize,
+        /// Bytes of the shared part (`tools` JSON + system prompt).
+        #[arg(long, default_value_t = 40_000)]
+        shared_bytes: usize,
+        /// The task (first user message), tokens.
+        #[arg(long, default_value_t = 400)]
+        task_tokens: usize,
+        #[arg(long, default_value_t = 2048)]
+        result_bytes_min: usize,
+        #[arg(long, default_value_t = 8192)]
+        result_bytes_max: usize,
+        /// Mean think time (tool execution) between turns, simulated s.
+        #[arg(long, default_value_t = 5.0)]
+        think: f64,
+        /// Sessions start uniformly over this many simulated seconds.
+        #[arg(long, default_value_t = 30.0)]
+        ramp: f64,
     },
     /// Short independent prompts with no shared prefix (the control).
     Unique {
@@ -231,6 +286,61 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
                 workload::unique(&p, &cli.model, cli.seed, rate),
                 params,
             )
+        }
+        Workload::LongPreamble {
+            prompts,
+            documents,
+            preamble_bytes,
+            doc_tokens_min,
+            doc_tokens_max,
+            question_tokens,
+            zipf,
+        } => {
+            let p = workload::LongPreamble {
+                prompts: scaled(*prompts, cli.scale),
+                documents: *documents,
+                preamble_bytes: *preamble_bytes,
+                doc_tokens: (*doc_tokens_min, *doc_tokens_max),
+                question_tokens: *question_tokens,
+                zipf: *zipf,
+                max_tokens: cli.max_tokens,
+            };
+            let top = text::Zipf::new(p.documents.max(1), p.zipf).p(0);
+            let params = json!({"prompts": p.prompts, "documents": p.documents,
+                "preamble_bytes": p.preamble_bytes, "doc_tokens": [p.doc_tokens.0, p.doc_tokens.1],
+                "question_tokens": p.question_tokens, "zipf": p.zipf,
+                "hottest_document_share": top});
+            (
+                "long-preamble".into(),
+                workload::long_preamble(&p, &cli.model, cli.seed, rate),
+                params,
+            )
+        }
+        Workload::Agentic {
+            sessions,
+            min_turns,
+            max_turns,
+            shared_bytes,
+            task_tokens,
+            result_bytes_min,
+            result_bytes_max,
+            think,
+            ramp,
+        } => {
+            let p = workload::Agentic {
+                sessions: scaled(*sessions, cli.scale),
+                turns: (*min_turns, *max_turns),
+                shared_bytes: *shared_bytes,
+                task_tokens: *task_tokens,
+                result_bytes: (*result_bytes_min, *result_bytes_max),
+                think_s: *think,
+                ramp_s: *ramp,
+            };
+            let params = json!({"sessions": p.sessions, "turns": [p.turns.0, p.turns.1],
+                "shared_bytes": p.shared_bytes, "task_tokens": p.task_tokens,
+                "result_bytes": [p.result_bytes.0, p.result_bytes.1],
+                "think_s": p.think_s, "ramp_s": p.ramp_s});
+            ("agentic".into(), workload::agentic(&p, cli.seed), params)
         }
         Workload::Replay { file, speedup } => {
             let plan = workload::replay(file, &cli.model, cli.max_tokens, *speedup)?;
@@ -422,6 +532,36 @@ async fn run_conversations(
     while tasks.join_next().await.is_some() {}
 }
 
+/// One task per agent session: each turn waits for the previous answer,
+/// then the think time; the history is planned (see `workload::Session`).
+async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_deadline: TInstant) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let (scale, model, max_tokens) = (cli.time_scale, cli.model.clone(), cli.max_tokens);
+    for (c, session) in sessions.into_iter().enumerate() {
+        let (run, model) = (run.clone(), model.clone());
+        tasks.spawn(async move {
+            tokio::time::sleep(Duration::from_secs_f64(session.start * scale)).await;
+            for t in 0..session.turns() {
+                if t > 0 {
+                    tokio::time::sleep(Duration::from_secs_f64(session.think[t] * scale)).await;
+                }
+                if TInstant::now() > send_deadline {
+                    break;
+                }
+                let body = session.body(t, &model, max_tokens);
+                let out = run
+                    .request(c, "/v1/chat/completions", &body, &session.key, Some(t))
+                    .await;
+                if out.error.is_some() {
+                    // An agent stops when a step fails.
+                    break;
+                }
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
 /// Token ids of every sent request (in send order) from a replica's
 /// /tokenize, then the upper bound.
 async fn bound(run: &Run, addr: &str, block_size: usize) -> Result<stats::UpperBound, String> {
@@ -432,7 +572,10 @@ async fn bound(run: &Run, addr: &str, block_size: usize) -> Result<stats::UpperB
         .iter()
         .map(|(_, _, b)| match (b.get("prompt"), b.get("messages")) {
             (Some(p), _) => json!({"model": b.get("model"), "prompt": p}),
-            (None, Some(m)) => json!({"model": b.get("model"), "messages": m}),
+            (None, Some(m)) => match b.get("tools") {
+                Some(t) => json!({"model": b.get("model"), "messages": m, "tools": t}),
+                None => json!({"model": b.get("model"), "messages": m}),
+            },
             _ => json!({"prompt": ""}),
         })
         .collect();
@@ -476,11 +619,70 @@ async fn bound(run: &Run, addr: &str, block_size: usize) -> Result<stats::UpperB
     Ok(stats::upper_bound(&prompts, block_size))
 }
 
+/// `--dry-run`: the plan as a replayable JSONL trace.
+fn dry_run(cli: &Cli, name: &str, plan: &Plan) -> Result<(), String> {
+    let mut lines: Vec<Value> = Vec::new();
+    match plan {
+        Plan::Requests(reqs) => {
+            for r in reqs {
+                lines.push(
+                    json!({"timestamp": r.at, "path": r.path, "session_id": r.key, "body": r.body}),
+                );
+            }
+        }
+        Plan::Sessions(sessions) => {
+            for s in sessions {
+                let mut at = s.start;
+                for t in 0..s.turns() {
+                    if t > 0 {
+                        at += s.think[t];
+                    }
+                    lines.push(json!({"timestamp": at, "path": "/v1/chat/completions",
+                        "session_id": s.key, "turn": t,
+                        "body": s.body(t, &cli.model, cli.max_tokens)}));
+                }
+            }
+            lines.sort_by(|a, b| {
+                a["timestamp"]
+                    .as_f64()
+                    .unwrap_or(0.0)
+                    .total_cmp(&b["timestamp"].as_f64().unwrap_or(0.0))
+            });
+        }
+        Plan::Conversations(_) => {
+            return Err(format!("--dry-run: {name} depends on the server's answers"));
+        }
+    }
+    let bytes: Vec<usize> = lines.iter().map(|l| l["body"].to_string().len()).collect();
+    eprintln!(
+        "prefix-bench: {name} (dry run): {} requests, body bytes min {} mean {} max {}",
+        lines.len(),
+        bytes.iter().min().unwrap_or(&0),
+        bytes.iter().sum::<usize>() / bytes.len().max(1),
+        bytes.iter().max().unwrap_or(&0),
+    );
+    let mut text = String::new();
+    for l in &lines {
+        text.push_str(&l.to_string());
+        text.push('\n');
+    }
+    match &cli.out {
+        Some(p) => std::fs::write(p, text).map_err(|e| format!("write {}: {e}", p.display())),
+        None => {
+            print!("{text}");
+            Ok(())
+        }
+    }
+}
+
 async fn main_async(cli: Cli) -> Result<(), String> {
     if !(cli.time_scale > 0.0 && cli.time_scale.is_finite()) {
         return Err("--time-scale must be > 0".into());
     }
     let (name, plan, params) = plan(&cli)?;
+    if cli.dry_run {
+        return dry_run(&cli, &name, &plan);
+    }
     let t0 = TInstant::now();
     let send_deadline = t0 + Duration::from_secs_f64(cli.max_duration.max(0.0));
     let hard_deadline = send_deadline + Duration::from_secs_f64(cli.drain.max(0.0));
@@ -500,10 +702,15 @@ async fn main_async(cli: Cli) -> Result<(), String> {
     let planned = match &plan {
         Plan::Requests(r) => r.len(),
         Plan::Conversations(c) => c.iter().map(|c| c.user_turns.len()).sum(),
+        Plan::Sessions(s) => s.iter().map(Session::turns).sum(),
+    };
+    let shape = match (&plan, cli.mode) {
+        (Plan::Requests(_), Mode::Open) => "open loop",
+        (Plan::Requests(_), Mode::Closed) => "closed loop",
+        _ => "closed loop per session",
     };
     eprintln!(
-        "prefix-bench: {name}, {planned} requests, {:?} loop, targets {}",
-        cli.mode,
+        "prefix-bench: {name}, {planned} requests, {shape}, targets {}",
         cli.target.join(",")
     );
     match plan {
@@ -514,6 +721,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         Plan::Conversations(convs) => {
             run_conversations(run.clone(), convs, &cli, send_deadline).await
         }
+        Plan::Sessions(sessions) => run_sessions(run.clone(), sessions, &cli, send_deadline).await,
     }
     let wall = wall0.elapsed().as_secs_f64();
     let cpu = stats::self_cpu_seconds() - cpu0;

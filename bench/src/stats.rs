@@ -1,6 +1,6 @@
 //! Per-request records, the run summary, and the cache-hit upper bound.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 
@@ -152,6 +152,9 @@ pub struct UpperBound {
     pub prompt_tokens: u64,
     pub hit_tokens: u64,
     pub distinct_blocks: usize,
+    /// Distinct blocks that more than one request sent (the shared,
+    /// cacheable content; the rest is unique to one request).
+    pub shared_blocks: usize,
     pub block_size: usize,
     pub requests: usize,
 }
@@ -159,7 +162,8 @@ pub struct UpperBound {
 /// Upper bound from the token ids of every request, in send order.
 pub fn upper_bound(prompts: &[Vec<u32>], block_size: usize) -> UpperBound {
     let bs = block_size.max(1);
-    let mut seen: HashSet<u64> = HashSet::new();
+    // Block hash -> sent again by a later request.
+    let mut seen: HashMap<u64, bool> = HashMap::new();
     let mut total = 0u64;
     let mut hits = 0u64;
     for tokens in prompts {
@@ -177,7 +181,16 @@ pub fn upper_bound(prompts: &[Vec<u32>], block_size: usize) -> UpperBound {
             }
             // Mix the chain so equal blocks at different depths differ.
             h = h.rotate_left(17) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let new = seen.insert(h);
+            let new = match seen.get_mut(&h) {
+                Some(again) => {
+                    *again = true;
+                    false
+                }
+                None => {
+                    seen.insert(h, false);
+                    true
+                }
+            };
             if still_matching && !new && i < max_hit {
                 matched += 1;
             } else {
@@ -195,6 +208,7 @@ pub fn upper_bound(prompts: &[Vec<u32>], block_size: usize) -> UpperBound {
         prompt_tokens: total,
         hit_tokens: hits,
         distinct_blocks: seen.len(),
+        shared_blocks: seen.values().filter(|&&again| again).count(),
         block_size: bs,
         requests: prompts.len(),
     }
@@ -238,6 +252,9 @@ mod tests {
         assert_eq!(ub.hit_tokens, 64);
         assert_eq!(ub.prompt_tokens, 120);
         assert_eq!(ub.distinct_blocks, 2);
+        assert_eq!(ub.shared_blocks, 2);
+        // A request alone shares nothing.
+        assert_eq!(upper_bound(&[(0..64).collect()], 16).shared_blocks, 0);
     }
 
     #[test]

@@ -66,6 +66,40 @@ impl Rng {
     }
 }
 
+/// Zipf's law over ranks `0..n`: P(rank k) proportional to 1 / (k + 1)^s
+/// (s = 0 is uniform; about 1 is typical of document popularity).
+#[derive(Clone, Debug)]
+pub struct Zipf {
+    cdf: Vec<f64>,
+}
+
+impl Zipf {
+    pub fn new(n: usize, s: f64) -> Self {
+        let mut acc = 0.0;
+        let cdf = (0..n.max(1))
+            .map(|k| {
+                acc += 1.0 / ((k + 1) as f64).powf(s.max(0.0));
+                acc
+            })
+            .collect();
+        Zipf { cdf }
+    }
+
+    /// Probability of rank `k`.
+    pub fn p(&self, k: usize) -> f64 {
+        let total = self.cdf[self.cdf.len() - 1];
+        let prev = if k == 0 { 0.0 } else { self.cdf[k - 1] };
+        (self.cdf.get(k).copied().unwrap_or(prev) - prev) / total
+    }
+
+    pub fn sample(&self, rng: &mut Rng) -> usize {
+        let u = rng.f64() * self.cdf[self.cdf.len() - 1];
+        self.cdf
+            .partition_point(|&c| c <= u)
+            .min(self.cdf.len() - 1)
+    }
+}
+
 const WORDS: &[&str] = &[
     "the",
     "of",
@@ -293,6 +327,25 @@ mod tests {
         assert_ne!(a, c);
         let chars_per_token = a.len() as f64 / 500.0;
         assert!((3.0..6.0).contains(&chars_per_token), "{chars_per_token}");
+    }
+
+    #[test]
+    fn zipf_is_skewed_and_normalised() {
+        let z = Zipf::new(50, 1.0);
+        let total: f64 = (0..50).map(|k| z.p(k)).sum();
+        assert!((total - 1.0).abs() < 1e-9);
+        assert!(z.p(0) > 4.0 * z.p(9));
+        let mut r = Rng::new(3);
+        let mut counts = [0usize; 50];
+        for _ in 0..20_000 {
+            counts[z.sample(&mut r)] += 1;
+        }
+        let f0 = counts[0] as f64 / 20_000.0;
+        assert!((f0 - z.p(0)).abs() < 0.02, "{f0} vs {}", z.p(0));
+        assert!(counts.iter().all(|&c| c > 0));
+        // s = 0: uniform.
+        let u = Zipf::new(4, 0.0);
+        assert!((u.p(3) - 0.25).abs() < 1e-12);
     }
 
     #[test]

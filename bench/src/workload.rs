@@ -1,10 +1,12 @@
 //! Workloads: what to send, built deterministically from a seed.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::text::{self, Rng};
+use crate::content;
+use crate::text::{self, Rng, Zipf};
 
 /// One request of a pre-planned workload (everything but multi-turn).
 #[derive(Clone, Debug)]
@@ -31,9 +33,47 @@ pub struct Conversation {
     pub start: f64,
 }
 
+/// An agent session of the agentic workload: planned in full (the tool
+/// calls and results are part of the plan, not the server's answers), sent
+/// turn after turn in a closed loop.
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub key: String,
+    /// The `tools` field of every request (shared by all sessions).
+    pub tools: Arc<Value>,
+    /// System prompt and the task: the first request's messages.
+    pub head: Vec<Value>,
+    /// `steps[t]`: the messages appended before turn t (an assistant tool
+    /// call and its tool result); `steps[0]` is empty.
+    pub steps: Vec<Vec<Value>>,
+    /// Think time (tool execution) before each turn after the first
+    /// (workload seconds).
+    pub think: Vec<f64>,
+    /// Delay before the first turn.
+    pub start: f64,
+}
+
+impl Session {
+    pub fn turns(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// The request body of turn `t`: the whole history so far.
+    pub fn body(&self, t: usize, model: &str, max_tokens: usize) -> Value {
+        let mut messages = self.head.clone();
+        for step in self.steps.iter().take(t + 1) {
+            messages.extend(step.iter().cloned());
+        }
+        let mut b = chat(model, messages, max_tokens);
+        b["tools"] = (*self.tools).clone();
+        b
+    }
+}
+
 pub enum Plan {
     Requests(Vec<Planned>),
     Conversations(Vec<Conversation>),
+    Sessions(Vec<Session>),
 }
 
 pub fn completion(model: &str, prompt: String, max_tokens: usize) -> Value {
@@ -191,6 +231,133 @@ pub fn multi_turn(p: &MultiTurn, seed: u64) -> Plan {
     Plan::Conversations(convs)
 }
 
+pub struct LongPreamble {
+    pub prompts: usize,
+    pub documents: usize,
+    /// Bytes of the shared system message (instructions + tool JSON).
+    pub preamble_bytes: usize,
+    /// Document length range, tokens (uniform per document).
+    pub doc_tokens: (usize, usize),
+    pub question_tokens: usize,
+    /// Zipf exponent of document popularity (0 = uniform).
+    pub zipf: f64,
+    pub max_tokens: usize,
+}
+
+/// Document `g`'s length in tokens.
+fn doc_tokens(seed: u64, g: usize, (lo, hi): (usize, usize)) -> usize {
+    let hi = hi.max(lo);
+    lo + Rng::derive(seed, "doc-tokens", g as u64).below(hi - lo + 1)
+}
+
+/// Every request: one long shared system message (instructions and tool
+/// definitions, longer than any fixed hashing window), then a user message
+/// with one of G documents and a question. Documents are picked with Zipf
+/// skew (a seeded permutation decides which ids are hot).
+pub fn long_preamble(p: &LongPreamble, model: &str, seed: u64, rate: f64) -> Plan {
+    let g_n = p.documents.max(1);
+    let preamble = content::preamble(seed, p.preamble_bytes);
+    let docs: Vec<String> = (0..g_n)
+        .map(|g| content::document(seed, g, doc_tokens(seed, g, p.doc_tokens)))
+        .collect();
+    let mut by_rank: Vec<usize> = (0..g_n).collect();
+    Rng::derive(seed, "doc-rank", 0).shuffle(&mut by_rank);
+    let zipf = Zipf::new(g_n, p.zipf);
+    let mut pick = Rng::derive(seed, "doc-pick", 0);
+    let times = arrivals(&mut Rng::derive(seed, "arrivals", 2), p.prompts, rate);
+    let reqs = times
+        .into_iter()
+        .enumerate()
+        .map(|(i, at)| {
+            let g = by_rank[zipf.sample(&mut pick)];
+            let q = text::text(
+                &mut Rng::derive(seed, "lp-question", i as u64),
+                p.question_tokens,
+            );
+            let user = format!(
+                "Answer the question using only the document below.\n\n<document id=\"{g}\">\n{}</document>\n\nQuestion {i}: {q}",
+                docs[g]
+            );
+            let messages = vec![
+                json!({"role": "system", "content": preamble}),
+                json!({"role": "user", "content": user}),
+            ];
+            Planned {
+                at,
+                path: "/v1/chat/completions",
+                body: chat(model, messages, p.max_tokens),
+                key: format!("doc-{g}"),
+            }
+        })
+        .collect();
+    Plan::Requests(reqs)
+}
+
+pub struct Agentic {
+    pub sessions: usize,
+    /// Requests per session, uniform in this range.
+    pub turns: (usize, usize),
+    /// Bytes of the shared part: `tools` JSON (about 70%) + system prompt.
+    pub shared_bytes: usize,
+    /// The task (first user message), tokens.
+    pub task_tokens: usize,
+    /// Tool result size range, bytes (uniform per turn).
+    pub result_bytes: (usize, usize),
+    /// Mean think time between turns (tool execution), simulated seconds.
+    pub think_s: f64,
+    /// Sessions start uniformly over this many simulated seconds.
+    pub ramp_s: f64,
+}
+
+/// S agent sessions sharing one tool set and system prompt; each turn
+/// resends the history plus the last tool call and its result.
+pub fn agentic(p: &Agentic, seed: u64) -> Plan {
+    let mut shared = Rng::derive(seed, "agent-shared", 0);
+    let tools = content::tools(&mut shared, p.shared_bytes * 7 / 10);
+    let tools_len = Value::Array(tools.clone()).to_string().len();
+    let system = content::instructions(&mut shared, p.shared_bytes.saturating_sub(tools_len));
+    let tools = Arc::new(Value::Array(tools));
+    let (lo, hi) = (p.turns.0.max(1), p.turns.1.max(p.turns.0.max(1)));
+    let (rlo, rhi) = (p.result_bytes.0, p.result_bytes.1.max(p.result_bytes.0));
+    let sessions = (0..p.sessions)
+        .map(|s| {
+            let mut rng = Rng::derive(seed, "session", s as u64);
+            let turns = lo + rng.below(hi - lo + 1);
+            let task = format!(
+                "Task {s}: {}\nWork step by step. Call one tool at a time and use its result.",
+                text::text(&mut rng, p.task_tokens)
+            );
+            let head = vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": task}),
+            ];
+            let list = tools.as_array().map_or(&[][..], Vec::as_slice);
+            let steps = (0..turns)
+                .map(|t| {
+                    if t == 0 {
+                        return Vec::new();
+                    }
+                    let id = format!("call_{s}_{t}");
+                    let call = content::tool_call(&mut rng, list, &id);
+                    let bytes = rlo + rng.below(rhi - rlo + 1);
+                    vec![call, content::tool_result(&mut rng, bytes, &id)]
+                })
+                .collect();
+            let think = (0..turns).map(|_| rng.exp(p.think_s)).collect();
+            let start = rng.f64() * p.ramp_s;
+            Session {
+                key: format!("agent-{s}"),
+                tools: tools.clone(),
+                head,
+                steps,
+                think,
+                start,
+            }
+        })
+        .collect();
+    Plan::Sessions(sessions)
+}
+
 /// A JSONL trace, one request a line:
 /// `{"timestamp": 12.5, "prompt": "..."}` or `{"timestamp": ..., "messages": [...]}`
 /// or `{"timestamp": ..., "body": {<full OpenAI body>}}`, with optional
@@ -305,6 +472,206 @@ mod tests {
             .count();
         assert!(common > 600, "shared prefix of {common} bytes");
         assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
+    }
+
+    fn lp(prompts: usize, documents: usize) -> LongPreamble {
+        LongPreamble {
+            prompts,
+            documents,
+            preamble_bytes: 40_000,
+            doc_tokens: (1000, 2000),
+            question_tokens: 32,
+            zipf: 0.8,
+            max_tokens: 8,
+        }
+    }
+
+    fn requests(p: Plan) -> Vec<Planned> {
+        match p {
+            Plan::Requests(r) => r,
+            _ => panic!("requests expected"),
+        }
+    }
+
+    fn content(v: &Value) -> &str {
+        v["content"].as_str().unwrap()
+    }
+
+    #[test]
+    fn long_preamble_shares_one_long_system_message() {
+        let reqs = requests(long_preamble(&lp(600, 64), "m", 1, 8.0));
+        assert_eq!(reqs.len(), 600);
+        let pre = content(&reqs[0].body["messages"][0]);
+        // Longer than any fixed window (16 KiB), within the 24-64 KB brief.
+        assert!((40_000..48_000).contains(&pre.len()), "{}", pre.len());
+        assert!(pre.contains("# Tools") && pre.contains("\"parameters\""));
+        // Its tool definitions are valid JSON.
+        let json_start = pre.find("\n[").unwrap() + 1;
+        let tools: Value = serde_json::from_str(pre[json_start..].trim()).unwrap();
+        assert!(tools.as_array().unwrap().len() >= 10);
+        for r in &reqs {
+            assert_eq!(r.path, "/v1/chat/completions");
+            assert_eq!(r.body["messages"][0]["role"], "system");
+            assert_eq!(content(&r.body["messages"][0]), pre);
+            assert_eq!(r.body["messages"][1]["role"], "user");
+            assert_eq!(r.body["stream"], true);
+        }
+        assert!(reqs.windows(2).all(|w| w[0].at <= w[1].at));
+    }
+
+    #[test]
+    fn long_preamble_documents_are_distinct_sized_and_skewed() {
+        let reqs = requests(long_preamble(&lp(2000, 64), "m", 1, 8.0));
+        let mut docs: std::collections::HashMap<String, String> = Default::default();
+        let mut counts: std::collections::HashMap<String, usize> = Default::default();
+        for (i, r) in reqs.iter().enumerate() {
+            let user = content(&r.body["messages"][1]);
+            let doc = &user[..user.find("</document>").unwrap()];
+            // The same key always carries the same document.
+            let prev = docs.entry(r.key.clone()).or_insert_with(|| doc.to_string());
+            assert_eq!(prev, doc);
+            *counts.entry(r.key.clone()).or_default() += 1;
+            // A unique question after the document.
+            assert!(user.contains(&format!("</document>\n\nQuestion {i}: ")));
+        }
+        // Nearly every document is used, and all are different.
+        assert!(docs.len() >= 60, "{} documents", docs.len());
+        let distinct: std::collections::HashSet<&String> = docs.values().collect();
+        assert_eq!(distinct.len(), docs.len());
+        // 1-2k tokens each at ~4 chars a token (plus the wrapper).
+        for d in docs.values() {
+            assert!((3_500..11_000).contains(&d.len()), "{}", d.len());
+        }
+        // Zipf 0.8 over 64: the hottest document ~12% of requests, the
+        // coldest under 1%.
+        let mut c: Vec<usize> = counts.values().copied().collect();
+        c.sort_unstable();
+        let top = *c.last().unwrap() as f64 / reqs.len() as f64;
+        assert!((0.08..0.2).contains(&top), "{top}");
+        assert!((c[0] as f64) < 0.01 * reqs.len() as f64);
+        // Documents alone are several times one 48k-token KV cache (at
+        // ~3.5 bytes a token), and fit four.
+        let doc_bytes: usize = docs.values().map(String::len).sum();
+        assert!(doc_bytes > 2 * 48_000 * 35 / 10, "{doc_bytes}");
+        assert!(doc_bytes < 4 * 48_000 * 35 / 10, "{doc_bytes}");
+    }
+
+    #[test]
+    fn long_preamble_is_deterministic_by_seed() {
+        let a = requests(long_preamble(&lp(50, 16), "m", 7, 8.0));
+        let b = requests(long_preamble(&lp(50, 16), "m", 7, 8.0));
+        let c = requests(long_preamble(&lp(50, 16), "m", 8, 8.0));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.body, y.body);
+            assert_eq!((x.at, &x.key), (y.at, &y.key));
+        }
+        assert_ne!(a[0].body["messages"][0], c[0].body["messages"][0]);
+        // More documents don't change the first ones.
+        let key = a[0].key.clone();
+        let more = requests(long_preamble(&lp(400, 32), "m", 7, 8.0));
+        assert_eq!(document_text(&a, &key), document_text(&more, &key));
+        assert!(document_text(&a, &key).is_some());
+    }
+
+    fn document_text(reqs: &[Planned], key: &str) -> Option<String> {
+        let r = reqs.iter().find(|r| r.key == key)?;
+        let user = content(&r.body["messages"][1]);
+        Some(user[..user.find("</document>")?].to_string())
+    }
+
+    fn ag(sessions: usize) -> Agentic {
+        Agentic {
+            sessions,
+            turns: (10, 30),
+            shared_bytes: 40_000,
+            task_tokens: 400,
+            result_bytes: (2048, 8192),
+            think_s: 5.0,
+            ramp_s: 30.0,
+        }
+    }
+
+    fn sessions(p: Plan) -> Vec<Session> {
+        match p {
+            Plan::Sessions(s) => s,
+            _ => panic!("sessions expected"),
+        }
+    }
+
+    #[test]
+    fn agentic_sessions_share_tools_and_grow() {
+        let ss = sessions(agentic(&ag(8), 1));
+        assert_eq!(ss.len(), 8);
+        let first = ss[0].body(0, "m", 8);
+        let tools = first["tools"].to_string();
+        let system = content(&first["messages"][0]).to_string();
+        // 30-60 KB shared: tools (as the server renders them) + system.
+        let shared = tools.len() + system.len();
+        assert!((38_000..50_000).contains(&shared), "{shared}");
+        assert!(first["tools"].as_array().unwrap().len() >= 10);
+        let mut keys = std::collections::HashSet::new();
+        let mut turn_counts = Vec::new();
+        for s in &ss {
+            assert!(keys.insert(s.key.clone()));
+            assert!((10..=30).contains(&s.turns()), "{}", s.turns());
+            turn_counts.push(s.turns());
+            assert!(s.steps[0].is_empty());
+            assert!((0.0..30.0).contains(&s.start));
+            let mut prev: Option<Value> = None;
+            for t in 0..s.turns() {
+                let b = s.body(t, "m", 8);
+                assert_eq!(b["tools"].to_string(), tools);
+                assert_eq!(content(&b["messages"][0]), system);
+                let msgs = b["messages"].as_array().unwrap();
+                // system + task + 2 per earlier turn.
+                assert_eq!(msgs.len(), 2 + 2 * t);
+                if t > 0 {
+                    let call = &msgs[msgs.len() - 2];
+                    let result = &msgs[msgs.len() - 1];
+                    assert_eq!(call["role"], "assistant");
+                    let id = call["tool_calls"][0]["id"].as_str().unwrap();
+                    assert_eq!(result["role"], "tool");
+                    assert_eq!(result["tool_call_id"], id);
+                    let args = call["tool_calls"][0]["function"]["arguments"]
+                        .as_str()
+                        .unwrap();
+                    assert!(serde_json::from_str::<Value>(args).unwrap().is_object());
+                    let n = content(result).len();
+                    assert!((2048..8192 + 600).contains(&n), "{n}");
+                    // The history grows by appending: the previous request is a prefix.
+                    let p = prev.as_ref().unwrap()["messages"].as_array().unwrap();
+                    assert_eq!(&msgs[..p.len()], &p[..]);
+                }
+                prev = Some(b);
+            }
+            // Grows past 100 KB unless a session is short.
+            let last = s.body(s.turns() - 1, "m", 8).to_string().len();
+            if s.turns() >= 15 {
+                assert!(last > 100_000, "{} turns, {last} bytes", s.turns());
+            }
+        }
+        assert!(turn_counts.iter().any(|&t| t >= 15));
+        // Different sessions have different tasks.
+        assert_ne!(ss[0].head[1], ss[1].head[1]);
+    }
+
+    #[test]
+    fn agentic_is_deterministic_by_seed() {
+        let a = sessions(agentic(&ag(3), 5));
+        let b = sessions(agentic(&ag(3), 5));
+        let c = sessions(agentic(&ag(3), 6));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.turns(), y.turns());
+            assert_eq!(x.think, y.think);
+            assert_eq!(x.start, y.start);
+            for t in 0..x.turns() {
+                assert_eq!(x.body(t, "m", 8), y.body(t, "m", 8));
+            }
+        }
+        assert_ne!(a[0].body(1, "m", 8), c[0].body(1, "m", 8));
+        // Session 0 doesn't depend on how many sessions there are.
+        let more = sessions(agentic(&ag(5), 5));
+        assert_eq!(a[0].body(3, "m", 8), more[0].body(3, "m", 8));
     }
 
     #[test]

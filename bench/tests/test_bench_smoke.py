@@ -19,9 +19,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT))
 
-import harness  # noqa: E402
+from testkit import harness  # noqa: E402
 
 
 def _need_binaries():
