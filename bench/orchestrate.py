@@ -521,6 +521,7 @@ def profiles(a) -> dict[str, dict]:
 
 def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
     cmd = [str(BENCH_BIN), "--target", ",".join(targets), "--time-scale", str(prof["time_scale"]),
+           *(["--random-target"] if len(targets) > 1 else []),
            "--seed", str(a.seed), "--replicas", str(len(sim.addrs)), "--tokenize", sim.addrs[0],
            "--session-header", SESSION_HEADER, "--max-duration", str(a.max_run_seconds),
            "--drain", str(a.drain_seconds), "--out", str(out), *prof["load"]]
@@ -655,7 +656,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speedup", type=float, default=1.0, help="replay speed-up")
     ap.add_argument("--envoy-concurrency", type=int, default=2)
     ap.add_argument("--envoy-instances", type=int, default=1,
-                    help="independent Envoy instances splitting the clients")
+                    help="independent Envoy instances; each request goes to one at random")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--wasm", type=Path, default=None,
                     help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")
@@ -678,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
         PLUGIN_EXTRA.update(json.loads(a.plugin))
     except (ValueError, TypeError) as e:
         ap.error(f"--plugin: not a JSON object: {e}")
+    if a.envoy_instances > 1:
+        # Several independent gateways: tell the filter so (see README,
+        # Many gateways), unless --plugin says otherwise.
+        PLUGIN_EXTRA.setdefault("gateways", a.envoy_instances)
 
     if a.demo:
         a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"

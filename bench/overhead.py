@@ -53,16 +53,21 @@ def echo_backend():
         proc.wait(timeout=10)
 
 
+# Router name -> wasm module, for the Envoy + prefix-router kinds.
+MODULES: dict[str, Path] = {}
+
+
 @contextlib.contextmanager
 def proxy(kind: str, backend: str):
     """Yields (target host:port, pid of the proxy or None)."""
     if kind == "direct":
         yield backend, None
         return
-    if kind == "prefix-router":
+    if kind in MODULES:
         # Scraping off: the echo backend has no metrics page.
         cfg = harness.render_config(
-            "override_host", {"endpoints": [backend]}, [backend], harness.free_port(), harness.free_port()
+            "override_host", {"endpoints": [backend]}, [backend], harness.free_port(), harness.free_port(),
+            wasm_path=MODULES[kind],
         )
         with harness.Envoy(cfg, concurrency=2) as env:
             yield f"127.0.0.1:{env.port}", env.proc.pid
@@ -94,7 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--routers", default="direct,round-robin,prefix-router,sglang-router")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--wasm", type=Path, default=harness.WASM, help="the prefix-router module to measure")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another build, measured side by side as `prefix-router-before`")
     a = ap.parse_args(argv)
+    MODULES["prefix-router"] = a.wasm
+    if a.before:
+        MODULES["prefix-router-before"] = a.before
+        if "prefix-router-before" not in a.routers:
+            a.routers += ",prefix-router-before"
     sizes = [int(s) for s in a.sizes.split(",")]
     concs = [int(c) for c in a.concurrency.split(",")]
     kinds = a.routers.split(",")

@@ -114,7 +114,7 @@ impl Default for Config {
             max_blocks: 256,
             index_capacity: 65_536,
             index_stride: 4,
-            checkpoints_per_doubling: 8,
+            checkpoints_per_doubling: 32,
             trunk_min_new_blocks: 16,
             weights: Weights::default(),
             load_measure: LoadMeasure::default(),

@@ -189,6 +189,7 @@ fn decode(buf: &[u8]) -> Option<Vec<Endpoint>> {
 
 /// Fuzzing support: arbitrary admin JSON never panics; accepted hosts are
 /// valid, distinct and bounded; the published form round-trips.
+#[cfg(any(test, fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub fn check_admin_json(data: &[u8]) {
     if let Ok(eps) = parse_clusters(data, "pool") {

@@ -13,6 +13,7 @@ const CAP: usize = 16 * 1024;
 pub fn request_body(data: &[u8]) {
     // ok: a literal config (valid, see config tests); fuzz-only entry point,
     // never called by the filter.
+    #[allow(clippy::expect_used)]
     let cfg = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).expect("static config");
     if let Ok(p) = request::extract(data, CAP) {
         assert!(p.text.len() <= CAP);
@@ -26,7 +27,12 @@ pub fn request_body(data: &[u8]) {
         assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);
         assert!(h.checkpoints.windows(2).all(|w| w[0].blocks < w[1].blocks));
         // Bounded by the schedule: dense window, then log2 of the length.
-        assert!(h.checkpoints.len() <= cfg.max_blocks / cfg.index_stride + 8 * 16 + 1);
+        assert!(
+            h.checkpoints.len()
+                <= cfg.max_blocks / cfg.index_stride
+                    + cfg.checkpoints_per_doubling as usize * 16
+                    + 1
+        );
     }
 }
 

@@ -44,12 +44,20 @@ struct Entry {
     /// system prompt or tool list with many documents or sessions below
     /// it), not one conversation's history.
     forked: bool,
-    holders: Vec<(ReplicaId, u32)>,
+    holders: Vec<Holder>,
+}
+
+/// A replica that holds an entry's prefix, and when it was last stamped
+/// there (seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    id: ReplicaId,
+    seen_s: u32,
 }
 
 impl Entry {
     fn newest(&self) -> u32 {
-        self.holders.iter().map(|h| h.1).max().unwrap_or(0)
+        self.holders.iter().map(|h| h.seen_s).max().unwrap_or(0)
     }
 }
 
@@ -75,7 +83,10 @@ fn decode(buf: &[u8]) -> Vec<Entry> {
             }
             let mut holders = Vec::with_capacity(k);
             for _ in 0..k {
-                holders.push((r.u64()?, r.u32()?));
+                holders.push(Holder {
+                    id: r.u64()?,
+                    seen_s: r.u32()?,
+                });
             }
             out.push(Entry {
                 hash,
@@ -95,8 +106,8 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
     for e in entries {
         w.u64(e.hash).u64(e.child).u8(u8::from(e.forked));
         w.u8(e.holders.len() as u8);
-        for &(id, ts) in &e.holders {
-            w.u64(id).u32(ts);
+        for h in &e.holders {
+            w.u64(h.id).u32(h.seen_s);
         }
     }
     w.finish()
@@ -105,6 +116,7 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
 /// Fuzzing support: decoding arbitrary bytes (as a record, and as the
 /// payload of one) never panics, and whatever decodes survives an
 /// encode/decode round trip unchanged.
+#[cfg(any(test, fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
     for record in [buf, &store::seal(VERSION, buf)] {
@@ -114,11 +126,19 @@ pub fn check_codec(buf: &[u8]) {
     }
 }
 
-/// Per replica: leading blocks of the request it holds, and when that was
-/// last stamped.
+/// What one replica holds of a request: its leading blocks, and when the
+/// deepest checkpoint of them was last stamped there (seconds; what
+/// `record` needs to skip a fresh prefix).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub blocks: u32,
+    pub stamped: u32,
+}
+
+/// Per replica: what it holds of the request.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Matches {
-    pub blocks: HashMap<ReplicaId, (u32, u32)>,
+    pub blocks: HashMap<ReplicaId, Held>,
     pub probes: u32,
     /// Where the request leaves what anyone holds, if it does.
     pub branch: Option<Branch>,
@@ -139,7 +159,7 @@ pub struct Branch {
 
 impl Matches {
     pub fn get(&self, id: ReplicaId) -> u32 {
-        self.blocks.get(&id).map(|m| m.0).unwrap_or(0)
+        self.blocks.get(&id).map_or(0, |m| m.blocks)
     }
 }
 
@@ -230,7 +250,7 @@ impl PrefixIndex {
                 .cache
                 .values()
                 .flatten()
-                .flat_map(|e| e.holders.iter().map(|h| h.0))
+                .flat_map(|e| e.holders.iter().map(|h| h.id))
                 .collect();
             v.sort_unstable();
             v.dedup();
@@ -239,7 +259,7 @@ impl PrefixIndex {
         for id in seen {
             let has = |e: &Option<Entry>| {
                 e.as_ref()
-                    .is_some_and(|e| e.holders.iter().any(|h| h.0 == id))
+                    .is_some_and(|e| e.holders.iter().any(|h| h.id == id))
             };
             let snapshot: Vec<(usize, bool)> = p.cache.iter().map(|(&j, e)| (j, has(e))).collect();
             // Count of leading checkpoints this replica holds: in [rlo, rhi].
@@ -266,12 +286,12 @@ impl PrefixIndex {
             if rlo == 0 {
                 continue;
             }
-            let ts = p
+            let stamped = p
                 .get(rlo - 1)
-                .and_then(|e| e.holders.iter().find(|h| h.0 == id).map(|h| h.1))
+                .and_then(|e| e.holders.iter().find(|h| h.id == id).map(|h| h.seen_s))
                 .unwrap_or(0);
             let blocks = cps.get(rlo - 1).map_or(0, |c| c.blocks);
-            m.blocks.insert(id, (blocks, ts));
+            m.blocks.insert(id, Held { blocks, stamped });
         }
         m.probes = p.cache.len() as u32;
         m
@@ -400,12 +420,16 @@ fn stamp(
         } else if child != 0 && child != e.child {
             e.forked = true;
         }
-        if let Some(h) = e.holders.iter_mut().find(|h| h.0 == replica) {
-            h.1 = now;
+        let holder = Holder {
+            id: replica,
+            seen_s: now,
+        };
+        if let Some(h) = e.holders.iter_mut().find(|h| h.id == replica) {
+            h.seen_s = now;
         } else if e.holders.len() < REPLICAS_PER_ENTRY {
-            e.holders.push((replica, now));
-        } else if let Some(oldest) = e.holders.iter_mut().min_by_key(|h| h.1) {
-            *oldest = (replica, now);
+            e.holders.push(holder);
+        } else if let Some(oldest) = e.holders.iter_mut().min_by_key(|h| h.seen_s) {
+            *oldest = holder;
         }
         return (0, 0);
     }
@@ -413,7 +437,10 @@ fn stamp(
         hash,
         child,
         forked: false,
-        holders: vec![(replica, now)],
+        holders: vec![Holder {
+            id: replica,
+            seen_s: now,
+        }],
     };
     if entries.len() < WAYS {
         entries.push(fresh);
@@ -518,9 +545,13 @@ mod tests {
         let h = hashes("abc ", 32);
         assert_eq!(idx.record(&s, &h, 1, 0, 0, 100).writes, 8);
         let m = idx.lookup(&s, &h);
-        let (blocks, ts) = m.blocks[&1];
-        assert_eq!(idx.record(&s, &h, 1, blocks, ts, 101).writes, 0);
-        assert_eq!(idx.record(&s, &h, 1, blocks, ts, 100 + REFRESH_S).writes, 8);
+        let Held { blocks, stamped } = m.blocks[&1];
+        assert_eq!(idx.record(&s, &h, 1, blocks, stamped, 101).writes, 0);
+        assert_eq!(
+            idx.record(&s, &h, 1, blocks, stamped, 100 + REFRESH_S)
+                .writes,
+            8
+        );
     }
 
     #[test]
@@ -566,10 +597,13 @@ mod tests {
                 hash: i,
                 child: 0,
                 forked: false,
-                holders: vec![(1, 10 + i as u32)],
+                holders: vec![Holder {
+                    id: 1,
+                    seen_s: 10 + i as u32,
+                }],
             })
             .collect();
-        bucket[3].holders[0].1 = 1;
+        bucket[3].holders[0].seen_s = 1;
         assert_eq!(stamp(&mut bucket, 99, 0, 2, 50), (0, 1));
         assert!(bucket.iter().all(|e| e.hash != 3));
         assert!(bucket.iter().any(|e| e.hash == 99));
@@ -582,7 +616,7 @@ mod tests {
             stamp(&mut bucket, 7, 0, r, r as u32);
         }
         assert_eq!(bucket[0].holders.len(), REPLICAS_PER_ENTRY);
-        assert!(bucket[0].holders.iter().all(|h| h.0 >= 2));
+        assert!(bucket[0].holders.iter().all(|h| h.id >= 2));
     }
 
     #[test]
@@ -591,7 +625,7 @@ mod tests {
             hash: 5,
             child: 6,
             forked: true,
-            holders: vec![(1, 2)],
+            holders: vec![Holder { id: 1, seen_s: 2 }],
         }]);
         assert_eq!(decode(&good).len(), 1);
         for cut in 0..good.len() {

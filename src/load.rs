@@ -95,6 +95,7 @@ fn decode_count(buf: &[u8]) -> u32 {
 }
 
 /// Fuzzing support: see `index::check_codec`.
+#[cfg(any(test, fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
     for record in [buf, &store::seal(VERSION, buf)] {

@@ -240,6 +240,7 @@ impl Table {
 }
 
 /// Fuzzing support: see `index::check_codec`.
+#[cfg(any(test, fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub fn check_codec(buf: &[u8]) {
     for record in [buf, &store::seal(VERSION, buf)] {

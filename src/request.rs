@@ -275,10 +275,16 @@ impl<S: Sink> Render<S> {
         }
     }
 
-    /// One chat message: `\x1e role \x1f length : content`. The length
-    /// prefix makes the encoding unambiguous (no content can fake a message
-    /// boundary), and a conversation's rendering is a prefix of the
-    /// rendering of the same conversation with more turns.
+    /// One chat message:
+    /// `\x1e role \x1f role-length \x1f content \x1f content-length`.
+    /// The lengths come after what they measure, so the rendering reads
+    /// back unambiguously from the end (no content can fake a message
+    /// boundary), and two messages that start alike render alike up to
+    /// where they differ: the same document followed by different
+    /// questions shares the document's prefix, as in the model server's
+    /// prompt. (A length before the content broke that: it differs with
+    /// the question.) A conversation's rendering is a prefix of the same
+    /// conversation with more turns.
     fn message(
         &mut self,
         role: &str,
@@ -293,8 +299,8 @@ impl<S: Sink> Render<S> {
         self.push(b"\x1e");
         self.push(role.as_bytes());
         self.push(b"\x1f");
-        self.push(len.to_string().as_bytes());
-        self.push(b":");
+        self.push(role.len().to_string().as_bytes());
+        self.push(b"\x1f");
         match content {
             Some(Content::Text(t)) => self.push(t.as_bytes()),
             Some(Content::Parts(parts)) => {
@@ -305,6 +311,8 @@ impl<S: Sink> Render<S> {
             None => {}
         }
         self.push(calls.as_bytes());
+        self.push(b"\x1f");
+        self.push(len.to_string().as_bytes());
     }
 }
 
@@ -356,7 +364,10 @@ mod tests {
             r#"{"messages":[{"role":"system","content":"be brief"},
             {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"!"}]}]}"#,
         );
-        assert_eq!(t, b"\x1esystem\x1f8:be brief\x1euser\x1f3:hi!");
+        assert_eq!(
+            t,
+            b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi!\x1f3"
+        );
     }
 
     #[test]
@@ -365,9 +376,26 @@ mod tests {
         let two =
             text(r#"{"messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#);
         assert_ne!(one, two);
-        // Content can't forge a boundary: the length prefix covers it.
-        let forged = text(r#"{"messages":[{"role":"user","content":"a\u001euser\u001f1:b"}]}"#);
+        // Content can't forge a boundary: the lengths cover it.
+        let forged =
+            text(r#"{"messages":[{"role":"user","content":"a\u001f1\u001euser\u001f4\u001fb"}]}"#);
         assert_ne!(forged, two);
+    }
+
+    #[test]
+    fn a_document_asked_two_questions_shares_its_prefix() {
+        let ask = |q: &str| {
+            text(&format!(
+                r#"{{"messages":[{{"role":"system","content":"tools"}},{{"role":"user","content":"<doc>long document</doc> {q}"}}]}}"#
+            ))
+        };
+        let (a, b) = (ask("Why?"), ask("And how exactly?"));
+        let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        let doc_end = a.windows(6).position(|w| w == b"</doc>").unwrap() + 6;
+        assert!(
+            shared > doc_end,
+            "diverged at {shared}, document ends at {doc_end}"
+        );
     }
 
     #[test]
@@ -394,10 +422,13 @@ mod tests {
     #[test]
     fn responses_api_instructions_then_input() {
         let t = text(r#"{"model":"m","instructions":"sys","input":"hello"}"#);
-        assert_eq!(t, b"\x1einstructions\x1f3:sys\x1euser\x1f5:hello");
+        assert_eq!(
+            t,
+            b"\x1einstructions\x1f12\x1fsys\x1f3\x1euser\x1f4\x1fhello\x1f5"
+        );
         let t =
             text(r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"hey"}]}]}"#);
-        assert_eq!(t, b"\x1euser\x1f3:hey");
+        assert_eq!(t, b"\x1euser\x1f4\x1fhey\x1f3");
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! hashes → index lookup + pool load → ranking → destination header value;
 //! then `commit` records the pick (in-flight work, index entries).
 
+use std::collections::HashSet;
+
 use crate::config::{Baseline, Config};
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
@@ -101,6 +103,7 @@ pub struct Reject {
     pub message: String,
 }
 
+/// A routing decision: what the header write and `commit` need.
 #[derive(Debug, Clone)]
 pub struct Choice {
     /// Endpoint indices, best first; never empty while the pool isn't.
@@ -112,12 +115,37 @@ pub struct Choice {
     pub stamped: u32,
     /// Work this request adds to its replica (removed when it ends).
     pub work: u64,
-    /// (endpoint index, cost), best first: for the debug header.
-    pub costs: Vec<(usize, f64)>,
+    /// A shared trunk every replica was priced as holding (0: none).
+    pub trunk: u32,
     pub matches: Matches,
-    /// (endpoint index, in-flight requests) of every eligible replica, in
-    /// endpoint order: what a least-request baseline decides on.
-    pub requests: Vec<(usize, u32)>,
+}
+
+/// Why a decision went the way it did: built only on request
+/// (`Router::decide_explained`), for the debug header (`Router::explain`)
+/// and shadow mode's baseline (`Router::shadow`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Diagnostics {
+    /// Every eligible replica's cost, best first.
+    pub costs: Vec<Cost>,
+    /// Every eligible replica's in-flight requests, in endpoint order: what
+    /// a least-request baseline decides on.
+    pub requests: Vec<InFlight>,
+}
+
+/// One replica's cost for a request, in blocks of work (see `score`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// Endpoint index.
+    pub endpoint: usize,
+    pub cost: f64,
+}
+
+/// Requests in flight on one replica (all workers of this instance).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlight {
+    /// Endpoint index.
+    pub endpoint: usize,
+    pub requests: u32,
 }
 
 /// A shadow decision: where the baseline routed, and what prefix-router
@@ -216,8 +244,10 @@ impl Router {
         self.discovery_token = Some(token);
         let mut eps = self.config.static_endpoints.clone();
         let mut only = vec![false; eps.len()];
+        // A set, not a scan per host: a pool of 1,024 is 1,024 lookups.
+        let mut seen: HashSet<ReplicaId> = eps.iter().map(Endpoint::id).collect();
         for e in found {
-            if !eps.iter().any(|s| s.id() == e.id()) {
+            if seen.insert(e.id()) {
                 eps.push(e);
                 only.push(true);
             }
@@ -269,6 +299,32 @@ impl Router {
         hashed: &Hashed,
         meta: Meta,
         now_ms: u64,
+    ) -> Result<Choice, Reject> {
+        self.decide_into(store, hashed, meta, now_ms, None)
+    }
+
+    /// `decide`, and why: every eligible replica's cost and in-flight
+    /// requests (for the debug header and shadow mode only; the plain
+    /// decision doesn't build them).
+    pub fn decide_explained<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+    ) -> Result<(Choice, Diagnostics), Reject> {
+        let mut diagnostics = Diagnostics::default();
+        let choice = self.decide_into(store, hashed, meta, now_ms, Some(&mut diagnostics))?;
+        Ok((choice, diagnostics))
+    }
+
+    fn decide_into<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+        diagnostics: Option<&mut Diagnostics>,
     ) -> Result<Choice, Reject> {
         // Only the scraper writes the table: without scraping or discovery
         // it is empty, and the read can be skipped.
@@ -345,30 +401,38 @@ impl Router {
             })
             .map_or(0, |b| b.held);
         let ranked = score::rank_below(&cands, blocks, trunk, hashed.placement(held), &self.params);
-        let (matched, stamped) = ranked
+        let held = ranked
             .order
             .first()
             .and_then(|&i| matches.blocks.get(&cands[i].id))
             .copied()
-            .unwrap_or((0, 0));
-        let requests = eligible
-            .iter()
-            .zip(&cands)
-            .map(|(&i, c)| (i, c.load.requests))
-            .collect();
+            .unwrap_or_default();
+        if let Some(d) = diagnostics {
+            d.requests = eligible
+                .iter()
+                .zip(&cands)
+                .map(|(&endpoint, c)| InFlight {
+                    endpoint,
+                    requests: c.load.requests,
+                })
+                .collect();
+            d.costs = ranked
+                .order
+                .iter()
+                .map(|&i| Cost {
+                    endpoint: eligible[i],
+                    cost: ranked.costs[i],
+                })
+                .collect();
+        }
         Ok(Choice {
-            requests,
             order: ranked.order.iter().map(|&i| eligible[i]).collect(),
             reason: ranked.reason,
             blocks,
-            matched,
-            stamped,
-            work: self.params.work_of(blocks, matched),
-            costs: ranked
-                .order
-                .iter()
-                .map(|&i| (eligible[i], ranked.costs[i]))
-                .collect(),
+            matched: held.blocks,
+            stamped: held.stamped,
+            work: self.params.work_of(blocks, held.blocks),
+            trunk,
             matches,
         })
     }
@@ -376,22 +440,22 @@ impl Router {
     /// Shadow mode: route with the baseline instead, keeping our ranking for
     /// the fallbacks and the stats. `seq` is this VM's request counter (the
     /// round-robin position; per-VM round robin is what Envoy does too).
-    pub fn shadow(&self, choice: Choice, seq: u64) -> Shadow {
+    pub fn shadow(&self, choice: Choice, why: &Diagnostics, seq: u64) -> Shadow {
         let ours = choice.order.first().copied().unwrap_or(0);
         let ours_matched = choice.matched;
+        let requests = &why.requests;
         let pick = match self.config.shadow_baseline {
             Baseline::RoundRobin => {
-                let n = choice.requests.len().max(1) as u64;
-                choice.requests.get((seq % n) as usize).map(|r| r.0)
+                let n = requests.len().max(1) as u64;
+                requests.get((seq % n) as usize).map(|r| r.endpoint)
             }
             Baseline::LeastRequest => {
                 // Fewest in flight; ties rotate with `seq` like Envoy's.
-                let min = choice.requests.iter().map(|r| r.1).min().unwrap_or(0);
-                let ties: Vec<usize> = choice
-                    .requests
+                let min = requests.iter().map(|r| r.requests).min().unwrap_or(0);
+                let ties: Vec<usize> = requests
                     .iter()
-                    .filter(|r| r.1 == min)
-                    .map(|r| r.0)
+                    .filter(|r| r.requests == min)
+                    .map(|r| r.endpoint)
                     .collect();
                 ties.get((seq % ties.len().max(1) as u64) as usize).copied()
             }
@@ -400,12 +464,12 @@ impl Router {
         let mut order = vec![pick];
         order.extend(choice.order.iter().copied().filter(|&i| i != pick));
         let id = self.endpoints.get(pick).map(|e| e.id()).unwrap_or(0);
-        let (matched, stamped) = choice.matches.blocks.get(&id).copied().unwrap_or((0, 0));
+        let held = choice.matches.blocks.get(&id).copied().unwrap_or_default();
         let routed = Choice {
             order,
-            matched,
-            stamped,
-            work: self.params.work_of(choice.blocks, matched),
+            matched: held.blocks,
+            stamped: held.stamped,
+            work: self.params.work_of(choice.blocks, held.blocks),
             ..choice
         };
         Shadow {
@@ -450,7 +514,12 @@ impl Router {
         let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
             return RecordStats::default();
         };
-        let new_blocks = choice.blocks.saturating_sub(choice.matched);
+        // New content placed there, for spreading later new content: a copy
+        // of a shared trunk doesn't count (every replica ends up with one),
+        // or it would drown the differences that matter.
+        let new_blocks = choice
+            .blocks
+            .saturating_sub(choice.matched.max(choice.trunk));
         board.start(store, ep.id(), choice.work, new_blocks, now_ms);
         if hashed.is_empty() {
             return RecordStats::default();
@@ -470,17 +539,17 @@ impl Router {
     }
 
     /// A human-readable account of the decision, for the debug header.
-    pub fn explain(&self, choice: &Choice) -> String {
+    pub fn explain(&self, choice: &Choice, why: &Diagnostics) -> String {
         let pick = choice.order.first().and_then(|&i| self.endpoint(i));
-        let costs: Vec<String> = choice
+        let costs: Vec<String> = why
             .costs
             .iter()
-            .filter_map(|&(i, cost)| {
-                let e = self.endpoint(i)?;
+            .filter_map(|c| {
+                let e = self.endpoint(c.endpoint)?;
                 Some(format!(
                     "{}={:.1}/{}",
                     e.as_str(),
-                    cost,
+                    c.cost,
                     choice.matches.get(e.id())
                 ))
             })
@@ -624,7 +693,7 @@ mod tests {
         let c = r.decide(&s, &h, Meta::default(), 0).unwrap();
         let rec = r.commit(&s, &mut board, &c, &h, 0);
         assert!(
-            rec.writes <= 113,
+            rec.writes <= 257,
             "{} writes for a 1 MiB prompt",
             rec.writes
         );
@@ -705,8 +774,8 @@ mod tests {
             // document on one replica, which the baseline hits 1 time in 4.
             for q in 0..60 {
                 let h = hashed(&r, &doc(q % 30, q));
-                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
-                let sh = r.shadow(c, q as u64);
+                let (c, why) = r.decide_explained(&s, &h, Meta::default(), 1000).unwrap();
+                let sh = r.shadow(c, &why, q as u64);
                 picks.insert(sh.routed.order[0]);
                 ours += sh.ours_matched as u64;
                 base += sh.routed.matched as u64;
@@ -814,12 +883,43 @@ mod tests {
     }
 
     #[test]
+    fn diagnostics_are_built_only_on_request_and_change_nothing() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        for q in 0..12 {
+            let h = hashed(&r, &doc(q % 3, q));
+            let plain = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+            let (c, why) = r.decide_explained(&s, &h, Meta::default(), 1000).unwrap();
+            assert_eq!(
+                (&plain.order, plain.reason, plain.matched, plain.work),
+                (&c.order, c.reason, c.matched, c.work)
+            );
+            // Every eligible replica, costs best first like the order.
+            let by_cost: Vec<usize> = why.costs.iter().map(|c| c.endpoint).collect();
+            assert_eq!(by_cost, c.order);
+            let listed: Vec<usize> = why.requests.iter().map(|r| r.endpoint).collect();
+            assert_eq!(listed, vec![0, 1, 2, 3]);
+            r.commit(&s, &mut board, &c, &h, 1000);
+        }
+        let in_flight: u32 = r
+            .decide_explained(&s, &Hashed::default(), Meta::default(), 1000)
+            .unwrap()
+            .1
+            .requests
+            .iter()
+            .map(|r| r.requests)
+            .sum();
+        assert_eq!(in_flight, 12);
+    }
+
+    #[test]
     fn explain_names_the_pick() {
         let r = router("");
         let s = MemStore::new();
         let h = hashed(&r, &doc(1, 1));
-        let c = r.decide(&s, &h, Meta::default(), 0).unwrap();
-        let text = r.explain(&c);
+        let (c, why) = r.decide_explained(&s, &h, Meta::default(), 0).unwrap();
+        let text = r.explain(&c, &why);
         assert!(text.starts_with(&format!("replica={}", r.endpoint(c.order[0]).unwrap())));
         assert!(text.contains("reason=new_prefix"));
     }

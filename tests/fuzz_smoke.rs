@@ -4,6 +4,9 @@
 //! entry points as the cargo-fuzz targets in `fuzz/`. The long runs are
 //! `scripts/fuzz`.
 
+// A test: it asserts by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::Path;
 
 use prefix_router::fuzz;

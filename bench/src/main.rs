@@ -70,6 +70,11 @@ struct Cli {
     /// routers such as Envoy ring hash). Empty = don't send.
     #[arg(long, default_value = "x-session-id")]
     session_header: String,
+    /// Send each request to a target picked at random (seeded), not by
+    /// client or in turn: what a cloud load balancer in front of several
+    /// gateway instances does to a conversation's turns.
+    #[arg(long)]
+    random_target: bool,
     /// Real seconds after which no new request is sent.
     #[arg(long, default_value_t = 600.0)]
     max_duration: f64,
@@ -356,6 +361,8 @@ struct Run {
     t0: TInstant,
     hard_deadline: TInstant,
     session_header: String,
+    /// `Some(seed)`: targets are picked per request (`--random-target`).
+    random_target: Option<u64>,
     records: Mutex<Vec<Record>>,
     itl: Mutex<Vec<f64>>,
     /// Bodies sent, by request id (for the upper bound).
@@ -375,6 +382,10 @@ impl Run {
         turn: Option<usize>,
     ) -> Outcome {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let target = match self.random_target {
+            Some(seed) => pick(seed, id, self.pools.len()),
+            None => target,
+        };
         let start_s = self.t0.elapsed().as_secs_f64();
         let bytes = Bytes::from(body.to_string());
         let mut headers = Vec::new();
@@ -450,6 +461,16 @@ impl Run {
         };
         self.record(id, target, self.t0.elapsed().as_secs_f64(), key, None, &out);
     }
+}
+
+/// A target for request `id`: uniform, and the same for a given seed
+/// (splitmix64 of seed and id), so runs are repeatable.
+fn pick(seed: u64, id: usize, n: usize) -> usize {
+    let mut z = seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z % n.max(1) as u64) as usize
 }
 
 async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: TInstant) {
@@ -691,6 +712,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         t0,
         hard_deadline,
         session_header: cli.session_header.clone(),
+        random_target: cli.random_target.then_some(cli.seed),
         records: Mutex::new(Vec::new()),
         itl: Mutex::new(Vec::new()),
         sent: Mutex::new(Vec::new()),
@@ -788,5 +810,21 @@ fn main() -> ExitCode {
             eprintln!("prefix-bench: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick;
+
+    #[test]
+    fn random_targets_are_uniform_and_repeatable() {
+        let mut n = [0usize; 3];
+        for id in 0..30_000 {
+            n[pick(7, id, 3)] += 1;
+        }
+        assert!(n.iter().all(|&c| (9_000..11_000).contains(&c)), "{n:?}");
+        assert_eq!(pick(7, 123, 3), pick(7, 123, 3));
+        assert_eq!(pick(7, 5, 1), 0);
     }
 }

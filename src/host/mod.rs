@@ -1,12 +1,15 @@
 //! The only code that talks to the proxy-wasm host. Everything here is
-//! glue: read headers/body, call the pure modules, write the header back.
+//! glue: `abi` makes the host calls (the only `unsafe` code), `envoy`
+//! offers them to the request path (`filter`) as its `Host`, `http` and
+//! `root` adapt the SDK's callbacks, `scrape` runs the scraper VM's
+//! callouts.
 
 mod abi;
+mod envoy;
 mod http;
 mod root;
 mod scrape;
 mod shared;
-mod stats;
 
 use proxy_wasm::types::LogLevel;
 

@@ -7,22 +7,13 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
 
 use super::abi;
+use super::envoy::Envoy;
 use super::http::Http;
 use super::scrape::Scraper;
 use super::shared::SharedData;
-use super::stats::Stats;
 use crate::config::Config;
-use crate::load::{self, LoadBoard};
-use crate::route::Router;
-
-/// Everything one VM's HTTP contexts share (single-threaded: `Rc`).
-pub struct Worker {
-    pub router: Router,
-    pub board: LoadBoard,
-    pub stats: Stats,
-    /// Requests this VM has routed (round-robin position in shadow mode).
-    pub seq: u64,
-}
+use crate::filter::Worker;
+use crate::load;
 
 pub struct Root {
     worker: Option<Rc<RefCell<Worker>>>,
@@ -79,10 +70,9 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let stats = Stats::define(&config.static_endpoints);
-        let router = Router::new(config);
         let owner = owner_id();
-        let board = LoadBoard::new(owner, router.stale_ms());
+        let worker = Worker::new(&Envoy, config, owner);
+        let router = &worker.router;
         let mut tick = router.config.tick_ms;
         if let Some(s) = &router.config.scrape {
             tick = tick.min(s.interval_ms);
@@ -107,12 +97,7 @@ impl RootContext for Root {
             router.config.static_endpoints.len(),
             router.config.destination_header
         );
-        self.worker = Some(Rc::new(RefCell::new(Worker {
-            router,
-            board,
-            stats,
-            seq: 0,
-        })));
+        self.worker = Some(Rc::new(RefCell::new(worker)));
         true
     }
 
@@ -128,7 +113,7 @@ impl RootContext for Root {
             w.router.refresh(&SharedData);
             let w = &mut *w;
             let live = load::snapshot(&SharedData, now, w.router.stale_ms());
-            w.stats.show_inflight(w.router.endpoints(), &live);
+            w.stats.show_inflight(&Envoy, w.router.endpoints(), &live);
         }
         if let Some(s) = &mut self.scraper {
             s.tick(&w.borrow().router, now);

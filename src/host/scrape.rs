@@ -10,10 +10,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 
 use super::abi;
+use super::envoy::Envoy;
 use super::shared::SharedData;
-use super::stats::Metric;
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
+use crate::filter::stats::Metric;
 use crate::headers;
 use crate::metrics;
 use crate::replicas::{self, Lease, Table};
@@ -35,7 +36,8 @@ struct ReplicaGauges {
 impl ReplicaGauges {
     fn define(ep: &Endpoint) -> ReplicaGauges {
         let l = ep.stat_label();
-        let m = |kind, n: &str| Metric::define(kind, &format!("prefix_router.replica.{l}.{n}"));
+        let m =
+            |kind, n: &str| Metric::define(&Envoy, kind, &format!("prefix_router.replica.{l}.{n}"));
         ReplicaGauges {
             ok: m(MetricType::Counter, "scrapes_ok"),
             failed: m(MetricType::Counter, "scrapes_failed"),
@@ -78,8 +80,9 @@ pub struct Scraper {
 
 impl Scraper {
     pub fn new(owner: u64) -> Scraper {
-        let g = |n: &str| Metric::define(MetricType::Gauge, &format!("prefix_router.{n}"));
-        let c = |n: &str| Metric::define(MetricType::Counter, &format!("prefix_router.{n}"));
+        let g = |n: &str| Metric::define(&Envoy, MetricType::Gauge, &format!("prefix_router.{n}"));
+        let c =
+            |n: &str| Metric::define(&Envoy, MetricType::Counter, &format!("prefix_router.{n}"));
         Scraper {
             owner,
             next_ms: 0,
@@ -124,7 +127,7 @@ impl Scraper {
                 return;
             }
             Lease::TookOver => {
-                self.takeovers.inc();
+                self.takeovers.inc(&Envoy);
                 log::info!("prefix-router: this VM took over metrics scraping");
             }
             Lease::Held => {}
@@ -240,11 +243,11 @@ impl Scraper {
                     });
                 match found {
                     Ok(eps) => {
-                        self.discovered.record(eps.len() as u64);
+                        self.discovered.record(&Envoy, eps.len() as u64);
                         discovery::publish(&SharedData, &eps);
                     }
                     Err(why) => {
-                        self.discovery_failures.inc();
+                        self.discovery_failures.inc(&Envoy);
                         log::warn!(
                             "prefix-router: discovery from `{}` failed: {why}",
                             d.admin_cluster
@@ -291,16 +294,17 @@ impl Scraper {
         let row = self.table.row(ep.id()).cloned();
         let g = self.gauges(ep);
         if outcome.is_err() {
-            g.failed.inc();
+            g.failed.inc(&Envoy);
             return;
         }
-        g.ok.inc();
+        g.ok.inc(&Envoy);
         // The row's sanitised values, not the page's: the gauges never
         // show what the router doesn't believe.
         if let Some(row) = row {
-            g.waiting.record(row.waiting as u64);
-            g.running.record(row.running as u64);
-            g.kv_percent.record((row.kv_usage * 100.0).round() as u64);
+            g.waiting.record(&Envoy, row.waiting as u64);
+            g.running.record(&Envoy, row.running as u64);
+            g.kv_percent
+                .record(&Envoy, (row.kv_usage * 100.0).round() as u64);
         }
     }
 
@@ -320,6 +324,6 @@ impl Scraper {
 
     fn publish_eligible(&self, router: &Router, now_ms: u64) {
         self.eligible
-            .record(router.eligible_count(&SharedData, now_ms) as u64);
+            .record(&Envoy, router.eligible_count(&SharedData, now_ms) as u64);
     }
 }

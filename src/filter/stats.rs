@@ -4,21 +4,28 @@
 
 use std::collections::HashMap;
 
-use proxy_wasm::types::MetricType;
+pub use proxy_wasm::types::MetricType;
 
-use super::abi;
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::load::Load;
 use crate::score::Reason;
 
+/// The host's stats: the proxy-wasm metric calls (`host::Envoy`), or a
+/// fake in tests. Statuses are the host's, for logging.
+pub trait Metrics {
+    fn define_metric(&self, kind: MetricType, name: &str) -> Result<u32, u32>;
+    fn increment_metric(&self, id: u32, by: i64) -> Result<(), u32>;
+    fn record_metric(&self, id: u32, value: u64) -> Result<(), u32>;
+}
+
 /// A metric id, or nothing if the host refused to define it (then every
 /// update is a no-op: stats must never take the request path down).
-#[derive(Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Metric(Option<u32>);
 
 impl Metric {
-    pub fn define(kind: MetricType, name: &str) -> Metric {
-        match abi::define_metric(kind, name) {
+    pub fn define<M: Metrics + ?Sized>(m: &M, kind: MetricType, name: &str) -> Metric {
+        match m.define_metric(kind, name) {
             Ok(id) => Metric(Some(id)),
             Err(status) => {
                 log::warn!("prefix-router: could not define stat {name}: status {status}");
@@ -27,19 +34,19 @@ impl Metric {
         }
     }
 
-    pub fn add(self, by: i64) {
+    pub fn add<M: Metrics + ?Sized>(self, m: &M, by: i64) {
         if let Some(id) = self.0 {
-            let _ = abi::increment_metric(id, by);
+            let _ = m.increment_metric(id, by);
         }
     }
 
-    pub fn inc(self) {
-        self.add(1);
+    pub fn inc<M: Metrics + ?Sized>(self, m: &M) {
+        self.add(m, 1);
     }
 
-    pub fn record(self, value: u64) {
+    pub fn record<M: Metrics + ?Sized>(self, m: &M, value: u64) {
         if let Some(id) = self.0 {
-            let _ = abi::record_metric(id, value);
+            let _ = m.record_metric(id, value);
         }
     }
 }
@@ -53,11 +60,12 @@ pub struct ReplicaStats {
 }
 
 impl ReplicaStats {
-    fn define(e: &Endpoint) -> ReplicaStats {
+    fn define<M: Metrics + ?Sized>(m: &M, e: &Endpoint) -> ReplicaStats {
         let label = e.stat_label();
+        let define = |kind, n: &str| Metric::define(m, kind, &format!("{P}.replica.{label}.{n}"));
         ReplicaStats {
-            routed: Metric::define(MetricType::Counter, &format!("{P}.replica.{label}.routed")),
-            inflight: Metric::define(MetricType::Gauge, &format!("{P}.replica.{label}.inflight")),
+            routed: define(MetricType::Counter, "routed"),
+            inflight: define(MetricType::Gauge, "inflight"),
             inflight_shown: None,
         }
     }
@@ -93,15 +101,16 @@ pub struct Stats {
     pub replicas: HashMap<ReplicaId, ReplicaStats>,
 }
 
-const P: &str = "prefix_router";
+/// The prefix of every stat name.
+pub const P: &str = "prefix_router";
 
 impl Stats {
-    pub fn define(endpoints: &[Endpoint]) -> Stats {
+    pub fn define<M: Metrics + ?Sized>(m: &M, endpoints: &[Endpoint]) -> Stats {
         use MetricType::{Counter, Gauge, Histogram};
-        let c = |n: &str| Metric::define(Counter, &format!("{P}.{n}"));
+        let c = |n: &str| Metric::define(m, Counter, &format!("{P}.{n}"));
         let replicas = endpoints
             .iter()
-            .map(|e| (e.id(), ReplicaStats::define(e)))
+            .map(|e| (e.id(), ReplicaStats::define(m, e)))
             .collect();
         Stats {
             requests: c("requests_total"),
@@ -116,11 +125,11 @@ impl Stats {
             body_too_large: c("body_too_large"),
             client_destination_stripped: c("client_destination_stripped"),
             header_write_errors: c("header_write_errors"),
-            request_blocks: Metric::define(Histogram, &format!("{P}.request_blocks")),
-            matched_blocks: Metric::define(Histogram, &format!("{P}.matched_blocks")),
+            request_blocks: Metric::define(m, Histogram, &format!("{P}.request_blocks")),
+            matched_blocks: Metric::define(m, Histogram, &format!("{P}.matched_blocks")),
             request_blocks_total: c("request_blocks_total"),
             matched_blocks_total: c("matched_blocks_total"),
-            index_entries: Metric::define(Gauge, &format!("{P}.index.entries")),
+            index_entries: Metric::define(m, Gauge, &format!("{P}.index.entries")),
             index_evictions: c("index.evictions"),
             index_cas_retries: c("index.cas_retries"),
             index_write_failures: c("index.write_failures"),
@@ -152,24 +161,30 @@ impl Stats {
     /// Set the in-flight gauges from the pool's live load slots. A gauge
     /// bumped per request by each VM would keep a dead VM's requests
     /// forever; the slots of a dead VM expire, and so do its counts here.
-    pub fn show_inflight(&mut self, endpoints: &[Endpoint], load: &HashMap<ReplicaId, Load>) {
+    pub fn show_inflight<M: Metrics + ?Sized>(
+        &mut self,
+        m: &M,
+        endpoints: &[Endpoint],
+        load: &HashMap<ReplicaId, Load>,
+    ) {
         for e in endpoints {
-            self.ensure_replica(e);
-            let Some(r) = self.replicas.get_mut(&e.id()) else {
-                continue;
-            };
+            let r = self.ensure_replica(m, e);
             let now = load.get(&e.id()).map_or(0, |l| u64::from(l.requests));
             if r.inflight_shown != Some(now) {
-                r.inflight.record(now);
+                r.inflight.record(m, now);
                 r.inflight_shown = Some(now);
             }
         }
     }
 
     /// Per-replica stats, defined on first use for discovered replicas.
-    pub fn ensure_replica(&mut self, e: &Endpoint) {
+    pub fn ensure_replica<M: Metrics + ?Sized>(
+        &mut self,
+        m: &M,
+        e: &Endpoint,
+    ) -> &mut ReplicaStats {
         self.replicas
             .entry(e.id())
-            .or_insert_with(|| ReplicaStats::define(e));
+            .or_insert_with(|| ReplicaStats::define(m, e))
     }
 }

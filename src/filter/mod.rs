@@ -1,0 +1,429 @@
+//! One HTTP stream through the filter, host-independent: strip the
+//! client's destination header, pause an inference request until its body
+//! is complete, read the body once, decide, write the destination header,
+//! and account the request until its stream ends; or answer it (429/503).
+//!
+//! Every host call goes through [`Host`]: `host::Envoy` implements it over
+//! the proxy-wasm ABI (`host/http.rs` is a thin adapter from the SDK's
+//! callbacks to [`HttpFilter`]), and the tests use a fake, so the whole
+//! request path runs natively.
+
+pub mod stats;
+
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+pub use proxy_wasm::types::Action;
+
+use crate::affinity;
+use crate::config::{Affinity, Config, Mode, DEFAULT_DESTINATION_HEADER};
+use crate::endpoint::ReplicaId;
+use crate::headers::{self, Pairs};
+use crate::index::RecordStats;
+use crate::load::LoadBoard;
+use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
+use crate::score::Reason;
+use crate::store::Store;
+use stats::{Metrics, Stats};
+
+/// The response header carrying `Router::explain` (with `debug_header`).
+pub const DEBUG_HEADER: &str = "x-prefix-router-debug";
+
+/// A header map the filter edits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Map {
+    Request,
+    Response,
+}
+
+/// The host calls an HTTP stream makes. Fallible calls return the host's
+/// status code, for logging and counting; none of them may panic.
+pub trait Host: Metrics {
+    type Store: Store + ?Sized;
+
+    /// Shared data, seen by every worker.
+    fn store(&self) -> &Self::Store;
+    /// Milliseconds since the Unix epoch (0 if the host can't tell).
+    fn now_ms(&self) -> u64;
+    /// Every request header, as raw bytes (empty if unreadable).
+    fn request_headers(&self) -> Pairs;
+    /// Remove every copy of a header.
+    fn remove_header(&self, map: Map, name: &str) -> Result<(), u32>;
+    /// Set a header to one value, replacing every copy.
+    fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
+    /// Up to `max` bytes of the buffered request body; `None` when the
+    /// host has none to give.
+    fn request_body(&self, max: usize) -> Option<Vec<u8>>;
+    /// Answer the request from the filter instead of forwarding it.
+    fn send_local_response(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), u32>;
+}
+
+/// Everything one VM's HTTP streams share (single-threaded: `Rc`).
+pub struct Worker {
+    pub router: Router,
+    pub board: LoadBoard,
+    pub stats: Stats,
+    /// Requests this VM has routed (round-robin position in shadow mode).
+    pub seq: u64,
+}
+
+impl Worker {
+    /// `owner` must be unique per VM and never 0 (see `LoadBoard`).
+    pub fn new<M: Metrics + ?Sized>(metrics: &M, config: Config, owner: u64) -> Worker {
+        let stats = Stats::define(metrics, &config.static_endpoints);
+        let router = Router::new(config);
+        let board = LoadBoard::new(owner, router.stale_ms());
+        Worker {
+            router,
+            board,
+            stats,
+            seq: 0,
+        }
+    }
+}
+
+/// The replica a stream was routed to, and the work it added there (taken
+/// off again when the stream ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Routed {
+    replica: ReplicaId,
+    work: u64,
+}
+
+/// One HTTP stream's state.
+pub struct HttpFilter {
+    worker: Option<Rc<RefCell<Worker>>>,
+    /// Set once the destination header is written.
+    routed: Option<Routed>,
+    debug: Option<String>,
+    waiting_for_body: bool,
+    /// The priority header's value, read with the others in one host call.
+    priority: Option<String>,
+    /// The replica a verified affinity token from the client names.
+    affinity: Option<ReplicaId>,
+}
+
+impl HttpFilter {
+    /// `worker` is `None` while the plugin is unconfigured: the stream is
+    /// then only stripped of the destination header.
+    pub fn new(worker: Option<Rc<RefCell<Worker>>>) -> HttpFilter {
+        HttpFilter {
+            worker,
+            routed: None,
+            debug: None,
+            waiting_for_body: false,
+            priority: None,
+            affinity: None,
+        }
+    }
+
+    pub fn on_request_headers<H: Host>(&mut self, h: &H, end_of_stream: bool) -> Action {
+        // First, before anything can fail: a client never picks the upstream.
+        // All headers come in one host call, as bytes: a value that isn't
+        // UTF-8 must not be able to panic the VM.
+        let headers = h.request_headers();
+        self.strip_destination(h, &headers);
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let is_inference = {
+            let w = worker.borrow();
+            let cfg = &w.router.config;
+            self.priority = headers::get_str(&headers, &cfg.priority_header).map(str::to_string);
+            if let Some(a) = &cfg.affinity {
+                self.affinity = read_affinity(h, &w, a, &headers);
+            }
+            let post = headers::get_str(&headers, ":method")
+                .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
+            post && headers::get_str(&headers, ":path").is_some_and(|p| cfg.is_inference_path(p))
+        };
+        if end_of_stream || !is_inference {
+            return self.proceed(h, None);
+        }
+        // Hold the headers until the body is complete; needs
+        // `allow_on_headers_stop_iteration: true` in the plugin config.
+        self.waiting_for_body = true;
+        Action::Pause
+    }
+
+    pub fn on_request_body<H: Host>(&mut self, h: &H, size: usize, end_of_stream: bool) -> Action {
+        if !self.waiting_for_body {
+            return Action::Continue;
+        }
+        if size > self.body_limit() {
+            // Too big to parse: route on load alone, stop buffering.
+            if let Some(w) = &self.worker {
+                w.borrow().stats.body_too_large.inc(h);
+            }
+            self.waiting_for_body = false;
+            return self.proceed(h, None);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.waiting_for_body = false;
+        let body = h.request_body(size).unwrap_or_default();
+        self.proceed(h, Some(&body))
+    }
+
+    pub fn on_request_trailers<H: Host>(&mut self, h: &H) -> Action {
+        if self.waiting_for_body {
+            // Trailers end the stream: the buffered body is complete.
+            self.waiting_for_body = false;
+            let body = h.request_body(self.body_limit()).unwrap_or_default();
+            return self.proceed(h, Some(&body));
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_headers<H: Host>(&mut self, h: &H) -> Action {
+        // Whatever an upstream or client put there, only ours goes out.
+        let _ = h.remove_header(Map::Response, DEBUG_HEADER);
+        if let Some(d) = &self.debug {
+            let _ = h.replace_header(Map::Response, DEBUG_HEADER, d);
+        }
+        if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
+            let w = w.borrow();
+            if let Some(a) = &w.router.config.affinity {
+                // The session's replica, for the client to send back to
+                // whichever gateway instance it reaches next.
+                let token = affinity::mint(a.key.as_bytes(), routed.replica, h.now_ms() / 1000);
+                let _ = h.replace_header(Map::Response, &a.header, &token);
+            }
+        }
+        Action::Continue
+    }
+
+    /// Runs once per stream however it ended (done, reset, error), so
+    /// in-flight accounting can't leak.
+    pub fn on_log<H: Host>(&mut self, h: &H) {
+        let (Some(routed), Some(w)) = (self.routed.take(), &self.worker) else {
+            return;
+        };
+        let mut w = w.borrow_mut();
+        w.board
+            .finish(h.store(), routed.replica, routed.work, h.now_ms());
+    }
+
+    fn proceed<H: Host>(&mut self, h: &H, body: Option<&[u8]>) -> Action {
+        if self.route(h, body) {
+            Action::Continue
+        } else {
+            Action::Pause
+        }
+    }
+
+    /// Decide and write the header. `body` is the complete request body when
+    /// there is one worth parsing. Returns false when the filter answered
+    /// the request itself (429/503): the stream must stay paused then.
+    fn route<H: Host>(&mut self, h: &H, body: Option<&[u8]>) -> bool {
+        let Some(worker) = self.worker.clone() else {
+            return true;
+        };
+        let mut guard = worker.borrow_mut();
+        let w = &mut *guard;
+        let cfg = &w.router.config;
+        let (hashed, model) = hash_body(h, w, body);
+        let now = h.now_ms();
+        let meta = Meta {
+            model: model.as_deref(),
+            sheddable: self.priority.as_deref().is_some_and(is_sheddable),
+            affinity: self.affinity,
+        };
+        // The diagnostics (every replica's cost and load) only when
+        // something reads them.
+        let decided = if cfg.debug_header || cfg.mode == Mode::Shadow {
+            w.router
+                .decide_explained(h.store(), &hashed, meta, now)
+                .map(|(c, d)| (c, Some(d)))
+        } else {
+            w.router
+                .decide(h.store(), &hashed, meta, now)
+                .map(|c| (c, None))
+        };
+        let (choice, why) = match decided {
+            Ok(d) => d,
+            Err(reject) => {
+                if reject.status == 429 {
+                    w.stats.shed_429.inc(h)
+                } else {
+                    w.stats.unavailable_503.inc(h)
+                }
+                reply(h, &reject);
+                return false;
+            }
+        };
+        w.seq += 1;
+        #[cfg(feature = "fault-injection")]
+        if cfg.debug_trap_on_request == Some(w.seq) {
+            // Deliberate, and only in the test build: it exercises Envoy's
+            // failure_policy.
+            #[allow(clippy::panic)]
+            {
+                panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
+            }
+        }
+        if self.affinity.is_some() && choice.reason != Reason::Affinity {
+            // A valid token whose replica is gone, ineligible or overloaded.
+            w.stats.affinity_rejected.inc(h);
+        }
+        let choice = apply_mode(h, w, choice, why.as_ref());
+        let Some(&first) = choice.order.first() else {
+            return true;
+        };
+        let Some(ep) = w.router.endpoint(first).cloned() else {
+            return true;
+        };
+        let value = w.router.header_value(&choice);
+        if let Err(status) = h.replace_header(Map::Request, &cfg.destination_header, &value) {
+            log::warn!(
+                "prefix-router: could not set `{}`: status {status}",
+                cfg.destination_header
+            );
+            w.stats.header_write_errors.inc(h);
+            return true;
+        }
+        let rec = w
+            .router
+            .commit(h.store(), &mut w.board, &choice, &hashed, now);
+        self.routed = Some(Routed {
+            replica: ep.id(),
+            work: choice.work,
+        });
+        w.stats.ensure_replica(h, &ep).routed.inc(h);
+        count(h, &w.stats, &choice, rec);
+        if let (true, Some(why)) = (cfg.debug_header, &why) {
+            self.debug = Some(w.router.explain(&choice, why));
+        }
+        true
+    }
+
+    /// Remove any client-sent destination header (all copies). Also when
+    /// the map couldn't be read (empty): removal is cheap insurance and the
+    /// header is routing authority.
+    fn strip_destination<H: Host>(&self, h: &H, headers: &Pairs) {
+        let w = self.worker.as_ref().map(|w| w.borrow());
+        let name = w.as_ref().map_or(DEFAULT_DESTINATION_HEADER, |w| {
+            w.router.config.destination_header.as_str()
+        });
+        if !headers.is_empty() && headers::get(headers, name).is_none() {
+            return;
+        }
+        if !headers.is_empty() {
+            if let Some(w) = &w {
+                w.stats.client_destination_stripped.inc(h);
+            }
+        }
+        if h.remove_header(Map::Request, name).is_err() {
+            log::warn!("prefix-router: could not strip `{name}`");
+        }
+    }
+
+    fn body_limit(&self) -> usize {
+        self.worker
+            .as_ref()
+            .map(|w| w.borrow().router.config.max_body_bytes)
+            .unwrap_or(0)
+    }
+}
+
+/// Answer a request the filter won't route: an OpenAI-style error body.
+fn reply<H: Host>(h: &H, r: &Reject) {
+    let body = serde_json::json!({
+        "error": {"message": r.message, "type": r.kind, "code": r.status}
+    })
+    .to_string();
+    let mut headers = vec![("content-type", "application/json")];
+    if r.status == 429 {
+        headers.push(("retry-after", "1"));
+    }
+    if let Err(status) = h.send_local_response(r.status, r.kind, &headers, body.as_bytes()) {
+        log::warn!(
+            "prefix-router: could not send {} reply: status {status}",
+            r.status
+        );
+    }
+}
+
+fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
+    s.requests.inc(h);
+    s.decision(c.reason).inc(h);
+    if c.blocks > 0 {
+        s.request_blocks.record(h, c.blocks as u64);
+        s.matched_blocks.record(h, c.matched as u64);
+        s.request_blocks_total.add(h, c.blocks as i64);
+        s.matched_blocks_total.add(h, c.matched as i64);
+    }
+    // Zero increments are host calls for nothing: skip them.
+    for (m, v) in [
+        (s.index_entries, rec.inserted),
+        (s.index_evictions, rec.evicted),
+        (s.index_cas_retries, rec.cas_retries),
+        (s.index_write_failures, rec.failed),
+    ] {
+        if v > 0 {
+            m.add(h, v as i64);
+        }
+    }
+}
+
+/// The client's affinity token, verified, and stripped from the request
+/// (the upstream has no use for it). A forged, expired or foreign token is
+/// counted and ignored, never followed.
+fn read_affinity<H: Host>(h: &H, w: &Worker, a: &Affinity, headers: &Pairs) -> Option<ReplicaId> {
+    let token = headers::get(headers, &a.header)?;
+    let _ = h.remove_header(Map::Request, &a.header);
+    let now_s = h.now_ms() / 1000;
+    match affinity::verify(a.key.as_bytes(), token, now_s, a.max_age_s) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            log::debug!("prefix-router: affinity token ignored: {e}");
+            w.stats.affinity_rejected.inc(h);
+            None
+        }
+    }
+}
+
+/// Parse and hash the body (none: nothing to hash). A body that doesn't
+/// parse is counted and routed on load alone.
+fn hash_body<H: Host>(h: &H, w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
+    let Some(b) = body else {
+        return (Hashed::default(), None);
+    };
+    // The whole prompt: its checkpoints reach its end (see `prefix`).
+    match Hashed::parse(b, &w.router.config) {
+        Ok((header, hashed)) => (hashed, Some(header.model)),
+        Err(e) => {
+            // Debug level: a client sending junk must not flood logs.
+            log::debug!("prefix-router: unparsable inference body: {e}");
+            w.stats.parse_errors.inc(h);
+            (Hashed::default(), None)
+        }
+    }
+}
+
+/// In shadow mode, swap in the baseline's pick and record both.
+fn apply_mode<H: Host>(h: &H, w: &Worker, choice: Choice, why: Option<&Diagnostics>) -> Choice {
+    // Shadow mode always asks for the diagnostics (see `route`).
+    let (Mode::Shadow, Some(why)) = (w.router.config.mode, why) else {
+        return choice;
+    };
+    let sh = w.router.shadow(choice, why, w.seq);
+    let s = &w.stats;
+    s.shadow_requests.inc(h);
+    s.shadow_matched.add(h, sh.ours_matched as i64);
+    s.shadow_baseline_matched.add(h, sh.routed.matched as i64);
+    if sh.routed.order.first() == Some(&sh.ours) {
+        s.shadow_agree.inc(h);
+    }
+    sh.routed
+}

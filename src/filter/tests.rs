@@ -1,0 +1,547 @@
+//! The request path against a fake host: what Envoy's e2e tests check
+//! through a real proxy, natively and call by call.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use super::stats::{MetricType, Metrics, P};
+use super::*;
+use crate::load;
+use crate::metrics::ReplicaMetrics;
+use crate::replicas::record_scrape;
+use crate::store::MemStore;
+
+const DEST: &str = DEFAULT_DESTINATION_HEADER;
+const AFFINITY_KEY: &str = "0123456789abcdef0123456789abcdef-test";
+
+/// A local reply the filter sent.
+#[derive(Debug, Clone)]
+struct Reply {
+    status: u32,
+    details: String,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+/// An Envoy stand-in: header maps, a body buffer, a clock, shared data,
+/// stats, and a log of every edit the filter made, in order.
+#[derive(Default)]
+struct Fake {
+    store: MemStore,
+    now: Cell<u64>,
+    request: RefCell<Pairs>,
+    response: RefCell<Pairs>,
+    body: RefCell<Vec<u8>>,
+    replies: RefCell<Vec<Reply>>,
+    /// Defined stats, by id: (name, value). Counters and gauges add,
+    /// histograms keep their last record.
+    stats: RefCell<Vec<(String, i64)>>,
+    /// Host calls that change or read something, in order.
+    calls: RefCell<Vec<String>>,
+    /// Refuse writes to the request headers (a host that says no).
+    refuse_request_writes: Cell<bool>,
+}
+
+fn map_name(map: Map) -> &'static str {
+    match map {
+        Map::Request => "request",
+        Map::Response => "response",
+    }
+}
+
+impl Fake {
+    fn new() -> Fake {
+        let f = Fake::default();
+        f.now.set(1_000_000);
+        f
+    }
+
+    fn map(&self, map: Map) -> &RefCell<Pairs> {
+        match map {
+            Map::Request => &self.request,
+            Map::Response => &self.response,
+        }
+    }
+
+    /// A new stream's request: headers as given, and its body.
+    fn start(&self, headers: &[(&str, &[u8])], body: &[u8]) {
+        *self.request.borrow_mut() = headers
+            .iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.to_vec()))
+            .collect();
+        *self.response.borrow_mut() = Vec::new();
+        *self.body.borrow_mut() = body.to_vec();
+        self.calls.borrow_mut().clear();
+    }
+
+    fn header(&self, map: Map, name: &str) -> Option<String> {
+        headers::get_str(&self.map(map).borrow(), name).map(str::to_string)
+    }
+
+    fn count_of(&self, map: Map, name: &str) -> usize {
+        self.map(map)
+            .borrow()
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name.as_bytes()))
+            .count()
+    }
+
+    /// A stat by its name without the `prefix_router.` prefix (0 if never
+    /// defined).
+    fn stat(&self, name: &str) -> i64 {
+        let full = format!("{P}.{name}");
+        self.stats
+            .borrow()
+            .iter()
+            .find(|(n, _)| *n == full)
+            .map_or(0, |s| s.1)
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.borrow().clone()
+    }
+}
+
+impl Metrics for Fake {
+    fn define_metric(&self, _kind: MetricType, name: &str) -> Result<u32, u32> {
+        let mut stats = self.stats.borrow_mut();
+        if let Some(i) = stats.iter().position(|(n, _)| n == name) {
+            return Ok(i as u32);
+        }
+        stats.push((name.to_string(), 0));
+        Ok(stats.len() as u32 - 1)
+    }
+
+    fn increment_metric(&self, id: u32, by: i64) -> Result<(), u32> {
+        let mut stats = self.stats.borrow_mut();
+        let s = stats.get_mut(id as usize).ok_or(2u32)?;
+        s.1 += by;
+        Ok(())
+    }
+
+    fn record_metric(&self, id: u32, value: u64) -> Result<(), u32> {
+        let mut stats = self.stats.borrow_mut();
+        let s = stats.get_mut(id as usize).ok_or(2u32)?;
+        s.1 = value as i64;
+        Ok(())
+    }
+}
+
+impl Host for Fake {
+    type Store = MemStore;
+
+    fn store(&self) -> &MemStore {
+        &self.store
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.now.get()
+    }
+
+    fn request_headers(&self) -> Pairs {
+        self.calls.borrow_mut().push("read request headers".into());
+        self.request.borrow().clone()
+    }
+
+    fn remove_header(&self, map: Map, name: &str) -> Result<(), u32> {
+        self.calls
+            .borrow_mut()
+            .push(format!("remove {} {name}", map_name(map)));
+        self.map(map)
+            .borrow_mut()
+            .retain(|(k, _)| !k.eq_ignore_ascii_case(name.as_bytes()));
+        Ok(())
+    }
+
+    fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
+        if map == Map::Request && self.refuse_request_writes.get() {
+            return Err(2);
+        }
+        self.calls
+            .borrow_mut()
+            .push(format!("replace {} {name}", map_name(map)));
+        let mut m = self.map(map).borrow_mut();
+        m.retain(|(k, _)| !k.eq_ignore_ascii_case(name.as_bytes()));
+        m.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
+        Ok(())
+    }
+
+    fn request_body(&self, max: usize) -> Option<Vec<u8>> {
+        self.calls.borrow_mut().push(format!("read body {max}"));
+        let b = self.body.borrow();
+        Some(b.get(..max.min(b.len())).unwrap_or_default().to_vec())
+    }
+
+    fn send_local_response(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), u32> {
+        self.calls.borrow_mut().push(format!("reply {status}"));
+        self.replies.borrow_mut().push(Reply {
+            status,
+            details: details.to_string(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            body: String::from_utf8_lossy(body).into_owned(),
+        });
+        Ok(())
+    }
+}
+
+const POOL: [&str; 4] = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.0.4:80"];
+
+fn worker(fake: &Fake, extra: &str) -> Rc<RefCell<Worker>> {
+    let eps: Vec<String> = POOL.iter().map(|e| format!("\"{e}\"")).collect();
+    let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, eps.join(","));
+    let config = Config::parse(json.as_bytes()).unwrap();
+    Rc::new(RefCell::new(Worker::new(fake, config, 7)))
+}
+
+fn completion(prompt: &str) -> Vec<u8> {
+    format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes()
+}
+
+fn doc(n: usize) -> Vec<u8> {
+    completion(&format!("Document {n}: ").repeat(100))
+}
+
+const POST: [(&str, &[u8]); 2] = [(":method", b"POST"), (":path", b"/v1/completions")];
+
+/// One whole inference request (headers, then the body in one piece):
+/// the stream, and what each callback answered.
+fn post(fake: &Fake, w: &Rc<RefCell<Worker>>, extra: &[(&str, &[u8])], body: &[u8]) -> HttpFilter {
+    let mut headers = POST.to_vec();
+    headers.extend_from_slice(extra);
+    fake.start(&headers, body);
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(fake, body.len(), true), Action::Continue);
+    s
+}
+
+/// Requests in flight per replica (and any replica with work left).
+fn in_flight(fake: &Fake) -> HashMap<ReplicaId, u32> {
+    load::snapshot(&fake.store, fake.now.get(), 60_000)
+        .into_iter()
+        .filter(|(_, l)| l.requests > 0 || l.work > 0)
+        .map(|(id, l)| (id, l.requests))
+        .collect()
+}
+
+fn id_of(addr: &str) -> ReplicaId {
+    crate::endpoint::replica_id(addr)
+}
+
+#[test]
+fn strip_pause_body_decide_write_then_log_in_that_order() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let body = doc(1);
+    let mut headers = POST.to_vec();
+    headers.push((DEST, b"10.9.9.9:80"));
+    fake.start(&headers, &body);
+    let mut s = HttpFilter::new(Some(w.clone()));
+    // Headers: the client's destination is gone before anything else, and
+    // the stream waits for its body.
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(fake.header(Map::Request, DEST), None);
+    assert_eq!(
+        fake.calls(),
+        ["read request headers", &format!("remove request {DEST}")]
+    );
+    // A partial body: still waiting, nothing read.
+    assert_eq!(
+        s.on_request_body(&fake, body.len() / 2, false),
+        Action::Pause
+    );
+    assert_eq!(fake.calls().len(), 2);
+    // The whole body: read once, decided, written.
+    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Continue);
+    assert_eq!(
+        fake.calls()[2..],
+        [
+            format!("read body {}", body.len()),
+            format!("replace request {DEST}")
+        ]
+    );
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    assert!(POOL.contains(&pick.as_str()), "{pick}");
+    assert_eq!(fake.stat("client_destination_stripped"), 1);
+    assert_eq!(fake.stat("requests_total"), 1);
+    assert_eq!(fake.stat("decision.new_prefix"), 1);
+    assert_eq!(
+        fake.stat(&format!("replica.{}.routed", pick.replace(['.', ':'], "_"))),
+        1
+    );
+    assert!(fake.stat("request_blocks_total") > 0);
+    // In flight until the stream ends, however it ends; once.
+    assert_eq!(in_flight(&fake), [(id_of(&pick), 1)].into());
+    assert_eq!(s.on_response_headers(&fake), Action::Continue);
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+    // The same document again: same replica, a prefix hit.
+    let again = post(&fake, &w, &[], &body);
+    assert_eq!(fake.header(Map::Request, DEST), Some(pick));
+    assert_eq!(fake.stat("decision.prefix_hit"), 1);
+    drop(again);
+    assert!(fake.replies.borrow().is_empty());
+}
+
+#[test]
+fn a_client_destination_header_is_stripped_even_unconfigured_or_unreadable() {
+    // Not configured (yet): nothing is routed, the header still goes.
+    let fake = Fake::new();
+    fake.start(&[(":method", b"GET"), (DEST, b"10.9.9.9:80")], b"");
+    let mut s = HttpFilter::new(None);
+    assert_eq!(s.on_request_headers(&fake, true), Action::Continue);
+    assert_eq!(fake.header(Map::Request, DEST), None);
+    // Every copy, whatever its bytes.
+    let w = worker(&fake, "");
+    fake.start(
+        &[
+            (":method", b"GET"),
+            (DEST, b"10.9.9.9:80"),
+            ("X-Gateway-Destination-Endpoint", &[0xff, 0xfe]),
+        ],
+        b"",
+    );
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&fake, true), Action::Continue);
+    assert_eq!(fake.count_of(Map::Request, DEST), 1, "ours only");
+    assert!(POOL.contains(&fake.header(Map::Request, DEST).unwrap().as_str()));
+    assert_eq!(fake.stat("client_destination_stripped"), 1);
+    // A map the host couldn't give: removed anyway, not counted.
+    fake.start(&[], b"");
+    let mut s = HttpFilter::new(Some(w));
+    s.on_request_headers(&fake, true);
+    assert_eq!(fake.calls()[1], format!("remove request {DEST}"));
+    assert_eq!(fake.stat("client_destination_stripped"), 1);
+}
+
+#[test]
+fn requests_without_a_prompt_are_routed_at_once() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    for (headers, eos) in [
+        (
+            &[(":method", &b"GET"[..]), (":path", b"/v1/models")][..],
+            false,
+        ),
+        (&POST[..], true),
+        (
+            &[(":method", &b"POST"[..]), (":path", b"/v1/embeddings")][..],
+            false,
+        ),
+    ] {
+        fake.start(headers, b"");
+        let mut s = HttpFilter::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&fake, eos), Action::Continue);
+        assert!(fake.header(Map::Request, DEST).is_some());
+        // A later body isn't read.
+        assert_eq!(s.on_request_body(&fake, 10, true), Action::Continue);
+        assert!(!fake.calls().iter().any(|c| c.starts_with("read body")));
+    }
+    assert_eq!(fake.stat("decision.no_prompt"), 3);
+}
+
+#[test]
+fn an_oversized_or_unparsable_body_is_routed_on_load_alone() {
+    let fake = Fake::new();
+    let w = worker(&fake, r#","max_body_bytes":1024"#);
+    fake.start(&POST, &doc(1));
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, 2000, false), Action::Continue);
+    assert_eq!(fake.stat("body_too_large"), 1);
+    assert!(fake.header(Map::Request, DEST).is_some());
+    assert!(!fake.calls().iter().any(|c| c.starts_with("read body")));
+    // Buffering stopped: the rest of the body passes.
+    assert_eq!(s.on_request_body(&fake, 3000, true), Action::Continue);
+    post(&fake, &w, &[], b"{not json");
+    assert_eq!(fake.stat("parse_errors"), 1);
+    assert!(fake.header(Map::Request, DEST).is_some());
+    assert_eq!(fake.stat("decision.no_prompt"), 2);
+}
+
+#[test]
+fn trailers_complete_the_body() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let body = doc(3);
+    fake.start(&POST, &body);
+    let mut s = HttpFilter::new(Some(w));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, body.len(), false), Action::Pause);
+    assert_eq!(s.on_request_trailers(&fake), Action::Continue);
+    assert!(fake.calls().contains(&format!("read body {}", 16 << 20)));
+    assert!(fake.header(Map::Request, DEST).is_some());
+    assert_eq!(fake.stat("decision.new_prefix"), 1);
+    // Trailers of a stream that isn't waiting change nothing.
+    assert_eq!(s.on_request_trailers(&fake), Action::Continue);
+    assert_eq!(fake.stat("requests_total"), 1);
+}
+
+#[test]
+fn no_eligible_replica_is_a_503_and_a_saturated_pool_sheds_with_a_429() {
+    let fake = Fake::new();
+    let w = worker(&fake, r#","cluster":"pool""#);
+    let ids: Vec<ReplicaId> = POOL.iter().map(|e| id_of(e)).collect();
+    let now = fake.now.get();
+    let busy = ReplicaMetrics {
+        waiting: 9.0,
+        ..ReplicaMetrics::default()
+    };
+    for &id in &ids {
+        record_scrape(&fake.store, id, Ok(&busy), &ids, now).unwrap();
+    }
+    // Sheddable and every replica saturated: 429, and the stream stays
+    // paused (the reply is the answer).
+    let body = doc(1);
+    let mut headers = POST.to_vec();
+    headers.push(("x-prefix-router-priority", b"sheddable"));
+    fake.start(&headers, &body);
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Pause);
+    let r = fake.replies.borrow().last().cloned().unwrap();
+    assert_eq!((r.status, r.details.as_str()), (429, "saturated"));
+    assert!(r.headers.contains(&("retry-after".into(), "1".into())));
+    assert!(r
+        .headers
+        .contains(&("content-type".into(), "application/json".into())));
+    let json: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(json["error"]["type"], "saturated");
+    assert_eq!(json["error"]["code"], 429);
+    assert_eq!(fake.header(Map::Request, DEST), None);
+    assert_eq!(fake.stat("shed_429"), 1);
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+    // Not sheddable: routed.
+    post(&fake, &w, &[], &body);
+    assert!(fake.header(Map::Request, DEST).is_some());
+    // Every replica failed its scrapes: 503, whatever the priority.
+    for &id in &ids {
+        for _ in 0..3 {
+            record_scrape(&fake.store, id, Err(()), &ids, now).unwrap();
+        }
+    }
+    fake.start(&POST, &body);
+    let mut s = HttpFilter::new(Some(w));
+    s.on_request_headers(&fake, false);
+    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Pause);
+    let r = fake.replies.borrow().last().cloned().unwrap();
+    assert_eq!((r.status, r.details.as_str()), (503, "no_healthy_replica"));
+    assert!(!r.headers.iter().any(|h| h.0 == "retry-after"));
+    assert!(r.body.contains("no healthy replica"), "{}", r.body);
+    assert_eq!(fake.header(Map::Request, DEST), None);
+    assert_eq!(fake.stat("unavailable_503"), 1);
+    assert_eq!(fake.replies.borrow().len(), 2);
+}
+
+#[test]
+fn affinity_tokens_are_read_stripped_verified_and_issued() {
+    let fake = Fake::new();
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#);
+    let w = worker(&fake, &extra);
+    let header = crate::config::DEFAULT_AFFINITY_HEADER;
+    // First turn: no token; the response carries one naming the replica.
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    s.on_response_headers(&fake);
+    let token = fake.header(Map::Response, header).unwrap();
+    let now_s = fake.now.get() / 1000;
+    assert_eq!(
+        affinity::verify(AFFINITY_KEY.as_bytes(), token.as_bytes(), now_s, 3600),
+        Ok(id_of(&pick))
+    );
+    s.on_log(&fake);
+    // Next turns, with other content: the token wins, and the upstream
+    // never sees it.
+    for n in 2..6 {
+        let mut s = post(&fake, &w, &[(header, token.as_bytes())], &doc(n));
+        assert_eq!(fake.header(Map::Request, DEST).as_ref(), Some(&pick));
+        assert_eq!(fake.header(Map::Request, header), None);
+        s.on_log(&fake);
+    }
+    assert_eq!(fake.stat("decision.affinity"), 4);
+    // A forged token: stripped, counted, not followed.
+    let forged = affinity::mint(b"another key, also at least 32 bytes long", 1, now_s);
+    post(&fake, &w, &[(header, forged.as_bytes())], &doc(9));
+    assert_eq!(fake.header(Map::Request, header), None);
+    assert_eq!(fake.stat("affinity.rejected"), 1);
+    assert_eq!(fake.stat("decision.affinity"), 4);
+}
+
+#[test]
+fn the_debug_header_is_ours_or_none() {
+    for on in [true, false] {
+        let fake = Fake::new();
+        let w = worker(&fake, &format!(r#","debug_header":{on}"#));
+        let mut s = post(&fake, &w, &[], &doc(1));
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        // Whatever an upstream (or a client, echoed) put there.
+        fake.response
+            .borrow_mut()
+            .push((DEBUG_HEADER.into(), b"replica=evil".to_vec()));
+        assert_eq!(s.on_response_headers(&fake), Action::Continue);
+        if on {
+            assert_eq!(fake.count_of(Map::Response, DEBUG_HEADER), 1);
+            let d = fake.header(Map::Response, DEBUG_HEADER).unwrap();
+            assert!(
+                d.starts_with(&format!("replica={pick}; reason=new_prefix")),
+                "{d}"
+            );
+            // Every replica's cost.
+            assert!(POOL.iter().all(|e| d.contains(&format!("{e}="))), "{d}");
+        } else {
+            assert_eq!(fake.count_of(Map::Response, DEBUG_HEADER), 0);
+        }
+    }
+}
+
+#[test]
+fn a_refused_header_write_is_counted_and_nothing_is_accounted() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    fake.refuse_request_writes.set(true);
+    let mut s = post(&fake, &w, &[], &doc(1));
+    assert_eq!(fake.stat("header_write_errors"), 1);
+    assert_eq!(fake.stat("requests_total"), 0);
+    assert!(in_flight(&fake).is_empty());
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+}
+
+#[test]
+fn shadow_mode_routes_with_the_baseline_and_counts_both() {
+    let fake = Fake::new();
+    let w = worker(&fake, r#","mode":"shadow","shadow_baseline":"round_robin""#);
+    let mut picks = Vec::new();
+    for n in 0..8 {
+        let mut s = post(&fake, &w, &[], &doc(n % 2));
+        picks.push(fake.header(Map::Request, DEST).unwrap());
+        s.on_log(&fake);
+    }
+    // Round robin over the pool, whatever the prefix says.
+    assert_eq!(
+        picks[..4]
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        4
+    );
+    assert_eq!(fake.stat("shadow.requests"), 8);
+    assert!(
+        fake.stat("shadow.matched_blocks_total")
+            > fake.stat("shadow.baseline_matched_blocks_total")
+    );
+    assert_eq!(fake.stat("requests_total"), 8);
+}

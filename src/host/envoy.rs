@@ -1,0 +1,72 @@
+//! The filter's `Host` (and `Metrics`) over the proxy-wasm ABI: every call
+//! goes through the panic-free wrappers in `abi`.
+
+use proxy_wasm::types::{BufferType, MapType, MetricType};
+
+use super::abi;
+use super::shared::SharedData;
+use crate::filter::stats::Metrics;
+use crate::filter::{Host, Map};
+use crate::headers::Pairs;
+
+/// The Envoy this VM runs in (stateless: the host keeps the state).
+pub struct Envoy;
+
+fn map_type(map: Map) -> MapType {
+    match map {
+        Map::Request => MapType::HttpRequestHeaders,
+        Map::Response => MapType::HttpResponseHeaders,
+    }
+}
+
+impl Metrics for Envoy {
+    fn define_metric(&self, kind: MetricType, name: &str) -> Result<u32, u32> {
+        abi::define_metric(kind, name)
+    }
+
+    fn increment_metric(&self, id: u32, by: i64) -> Result<(), u32> {
+        abi::increment_metric(id, by)
+    }
+
+    fn record_metric(&self, id: u32, value: u64) -> Result<(), u32> {
+        abi::record_metric(id, value)
+    }
+}
+
+impl Host for Envoy {
+    type Store = SharedData;
+
+    fn store(&self) -> &SharedData {
+        &SharedData
+    }
+
+    fn now_ms(&self) -> u64 {
+        super::now_ms()
+    }
+
+    fn request_headers(&self) -> Pairs {
+        abi::get_headers(MapType::HttpRequestHeaders)
+    }
+
+    fn remove_header(&self, map: Map, name: &str) -> Result<(), u32> {
+        abi::remove_header(map_type(map), name)
+    }
+
+    fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
+        abi::replace_header(map_type(map), name, value)
+    }
+
+    fn request_body(&self, max: usize) -> Option<Vec<u8>> {
+        abi::get_buffer(BufferType::HttpRequestBody, 0, max)
+    }
+
+    fn send_local_response(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), u32> {
+        abi::send_local_response(status, details, headers, body)
+    }
+}
