@@ -236,7 +236,13 @@ pub fn rank_below(
                     + c.lora.cost(w.lora)
             })
             .collect();
-        two_choices(cands, &pressure, &loads, bound, band, placement, &mut order);
+        // Leaving the agreed replica costs another instance's copy of the
+        // new content: worth it only for a bigger load difference.
+        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+        let margin = band.max(p.weights.prefix * new_blocks);
+        two_choices(
+            cands, &pressure, &loads, bound, margin, placement, &mut order,
+        );
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
@@ -286,8 +292,9 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 
 /// Placement that independent gateway instances agree on, without talking:
 /// new content goes to its first rendezvous candidate on the placement
-/// key, or to the second when the first is busier by more than `band`
-/// (load, queue, KV), and further down the rendezvous order only when both
+/// key, or to the second when the first is busier by more than `margin`
+/// (load, queue, KV; at least what a second copy of the content would
+/// cost), and further down the rendezvous order only when both
 /// are over the load bound. Every instance computes the same two
 /// candidates from the content and the replica set, so the same new
 /// content lands on at most two replicas however many instances see it,
@@ -299,7 +306,7 @@ fn two_choices(
     pressure: &[f64],
     loads: &[f64],
     bound: f64,
-    band: f64,
+    margin: f64,
     placement: u64,
     order: &mut Vec<usize>,
 ) {
@@ -308,7 +315,7 @@ fn two_choices(
     let within = |i: &usize| loads.get(*i).is_some_and(|&l| l <= bound);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
     let pick = match top[..] {
-        [a, b] if pressure[a] - pressure[b] > band => Some(b),
+        [a, b] if pressure[a] - pressure[b] > margin => Some(b),
         [a, ..] => Some(a),
         [] => by_hash
             .iter()
