@@ -11,9 +11,8 @@ const CAP: usize = 16 * 1024;
 
 /// Request body → prompt → block hashes.
 pub fn request_body(data: &[u8]) {
-    // ok: a literal config (valid, see config tests); fuzz-only entry point,
-    // never called by the filter.
     #[allow(clippy::expect_used)]
+    // ok: a literal, valid config (see the config tests), in a fuzz-only entry point the filter never calls.
     let cfg = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).expect("static config");
     if let Ok(p) = request::extract(data, CAP) {
         assert!(p.text.len() <= CAP);

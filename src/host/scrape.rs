@@ -192,6 +192,10 @@ impl Scraper {
             (":authority", authority),
         ];
         headers.extend(dest);
+        // ok: the one SDK hostcall left outside abi.rs: the SDK must register
+        // the callout token for its dispatcher, and it panics only on statuses
+        // Envoy's proxy_http_call never returns (it answers Ok, BadArgument or
+        // InternalFailure, all handled here).
         match hostcalls::dispatch_http_call(
             cluster,
             headers,
