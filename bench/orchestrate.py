@@ -229,6 +229,8 @@ def venv_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
+# Session-affinity token header (--affinity).
+AFFINITY_HEADER = "x-prefix-router-affinity"
 # Extra prefix-router plugin keys from --plugin (tuning experiments).
 PLUGIN_EXTRA: dict = {}
 # The wasm module under test (--wasm; default: scripts/build's).
@@ -524,6 +526,7 @@ def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
            *(["--random-target"] if len(targets) > 1 else []),
            "--seed", str(a.seed), "--replicas", str(len(sim.addrs)), "--tokenize", sim.addrs[0],
            "--session-header", SESSION_HEADER, "--max-duration", str(a.max_run_seconds),
+           *(["--affinity-header", AFFINITY_HEADER] if a.affinity else []),
            "--drain", str(a.drain_seconds), "--out", str(out), *prof["load"]]
     p = own(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
@@ -542,6 +545,8 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
     if kind.startswith("prefix-router") or kind in ("round-robin", "least-request", "ring-hash"):
         label += f" x{a.envoy_instances}" if a.envoy_instances > 1 else ""
         label += f" (c={a.envoy_concurrency})" if a.envoy_concurrency != 2 else ""
+    if kind.startswith("prefix-router") and a.affinity:
+        label += " +affinity"
     row = {"workload": workload, "router": kind, "label": label}
     router = Router(kind, sim.addrs, a.envoy_concurrency, a.envoy_instances)
     why = router.unavailable()
@@ -657,6 +662,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--envoy-concurrency", type=int, default=2)
     ap.add_argument("--envoy-instances", type=int, default=1,
                     help="independent Envoy instances; each request goes to one at random")
+    ap.add_argument("--affinity", action="store_true",
+                    help="turn on prefix-router's session affinity and have conversations and agent "
+                         "sessions echo its token (an opt-in client)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--wasm", type=Path, default=None,
                     help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")
@@ -683,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
         # Several independent gateways: tell the filter so (see README,
         # Many gateways), unless --plugin says otherwise.
         PLUGIN_EXTRA.setdefault("gateways", a.envoy_instances)
+    if a.affinity:
+        # Every instance gets the same key, as an operator's secret store
+        # would give it.
+        PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
+                                             "header": AFFINITY_HEADER})
 
     if a.demo:
         a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"

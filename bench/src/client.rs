@@ -74,6 +74,9 @@ pub struct Outcome {
     pub cached_tokens: Option<u64>,
     /// Generated text (kept for multi-turn history).
     pub text: String,
+    /// The response's session-affinity token (`--affinity-header`), for
+    /// the conversation's next turn.
+    pub affinity: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -113,7 +116,13 @@ struct Details {
 }
 
 /// Sends one streaming request and reads the SSE stream to its end.
-pub async fn send(pool: &Pool, path: &str, body: Bytes, headers: &[(String, String)]) -> Outcome {
+pub async fn send(
+    pool: &Pool,
+    path: &str,
+    body: Bytes,
+    headers: &[(String, String)],
+    affinity_header: &str,
+) -> Outcome {
     let mut out = Outcome::default();
     let mut sender = match pool.get().await {
         Ok(s) => s,
@@ -150,6 +159,13 @@ pub async fn send(pool: &Pool, path: &str, body: Bytes, headers: &[(String, Stri
         .get("x-served-by")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    if !affinity_header.is_empty() {
+        out.affinity = resp
+            .headers()
+            .get(affinity_header)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+    }
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
     let mut buf: Vec<u8> = Vec::new();

@@ -70,6 +70,12 @@ struct Cli {
     /// routers such as Envoy ring hash). Empty = don't send.
     #[arg(long, default_value = "x-session-id")]
     session_header: String,
+    /// Response header carrying a session-affinity token (prefix-router's
+    /// `affinity.header`): conversations and agent sessions send the last
+    /// one back on their next turn, as a client that opts in does. Empty =
+    /// don't.
+    #[arg(long, default_value = "")]
+    affinity_header: String,
     /// Send each request to a target picked at random (seeded), not by
     /// client or in turn: what a cloud load balancer in front of several
     /// gateway instances does to a conversation's turns.
@@ -361,6 +367,7 @@ struct Run {
     t0: TInstant,
     hard_deadline: TInstant,
     session_header: String,
+    affinity_header: String,
     /// `Some(seed)`: targets are picked per request (`--random-target`).
     random_target: Option<u64>,
     records: Mutex<Vec<Record>>,
@@ -380,6 +387,7 @@ impl Run {
         body: &Value,
         key: &str,
         turn: Option<usize>,
+        affinity: Option<&str>,
     ) -> Outcome {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let target = match self.random_target {
@@ -392,10 +400,13 @@ impl Run {
         if !self.session_header.is_empty() {
             headers.push((self.session_header.clone(), key.to_string()));
         }
+        if let Some(token) = affinity.filter(|_| !self.affinity_header.is_empty()) {
+            headers.push((self.affinity_header.clone(), token.to_string()));
+        }
         let pool = &self.pools[target % self.pools.len()];
         let out = match tokio::time::timeout_at(
             self.hard_deadline,
-            client::send(pool, path, bytes, &headers),
+            client::send(pool, path, bytes, &headers, &self.affinity_header),
         )
         .await
         {
@@ -488,7 +499,7 @@ async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: T
         };
         let run = run.clone();
         tasks.spawn(async move {
-            run.request(i, r.path, &r.body, &r.key, None).await;
+            run.request(i, r.path, &r.body, &r.key, None, None).await;
             drop(permit);
         });
         // Reap finished tasks so the set stays small.
@@ -510,7 +521,8 @@ async fn run_closed(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline:
                 if TInstant::now() > send_deadline {
                     break;
                 }
-                run.request(client, r.path, &r.body, &r.key, None).await;
+                run.request(client, r.path, &r.body, &r.key, None, None)
+                    .await;
             }
         });
     }
@@ -530,6 +542,7 @@ async fn run_conversations(
         tasks.spawn(async move {
             tokio::time::sleep(Duration::from_secs_f64(conv.start * scale)).await;
             let mut messages = vec![json!({"role": "system", "content": conv.system})];
+            let mut token: Option<String> = None;
             for (t, user) in conv.user_turns.iter().enumerate() {
                 if t > 0 {
                     tokio::time::sleep(Duration::from_secs_f64(conv.think[t] * scale)).await;
@@ -540,12 +553,20 @@ async fn run_conversations(
                 messages.push(json!({"role": "user", "content": user}));
                 let body = workload::chat(&model, messages.clone(), max_tokens);
                 let out = run
-                    .request(c, "/v1/chat/completions", &body, &conv.key, Some(t))
+                    .request(
+                        c,
+                        "/v1/chat/completions",
+                        &body,
+                        &conv.key,
+                        Some(t),
+                        token.as_deref(),
+                    )
                     .await;
                 if out.error.is_some() {
                     // The conversation can't go on without its answer.
                     break;
                 }
+                token = out.affinity.clone().or(token);
                 messages.push(json!({"role": "assistant", "content": out.text}));
             }
         });
@@ -562,6 +583,7 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
         let (run, model) = (run.clone(), model.clone());
         tasks.spawn(async move {
             tokio::time::sleep(Duration::from_secs_f64(session.start * scale)).await;
+            let mut token: Option<String> = None;
             for t in 0..session.turns() {
                 if t > 0 {
                     tokio::time::sleep(Duration::from_secs_f64(session.think[t] * scale)).await;
@@ -571,12 +593,20 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
                 }
                 let body = session.body(t, &model, max_tokens);
                 let out = run
-                    .request(c, "/v1/chat/completions", &body, &session.key, Some(t))
+                    .request(
+                        c,
+                        "/v1/chat/completions",
+                        &body,
+                        &session.key,
+                        Some(t),
+                        token.as_deref(),
+                    )
                     .await;
                 if out.error.is_some() {
                     // An agent stops when a step fails.
                     break;
                 }
+                token = out.affinity.clone().or(token);
             }
         });
     }
@@ -712,6 +742,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         t0,
         hard_deadline,
         session_header: cli.session_header.clone(),
+        affinity_header: cli.affinity_header.clone(),
         random_target: cli.random_target.then_some(cli.seed),
         records: Mutex::new(Vec::new()),
         itl: Mutex::new(Vec::new()),

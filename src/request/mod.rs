@@ -8,6 +8,8 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+
+mod shapes;
 use thiserror::Error;
 
 /// Longest model name kept; longer names are cut (they only seed hashes).
@@ -52,12 +54,8 @@ struct Body<'a> {
     input: Option<InputField<'a>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum PromptField<'a> {
-    #[serde(borrow)]
     Text(Cow<'a, str>),
-    #[serde(borrow)]
     Texts(Vec<Cow<'a, str>>),
     Tokens(Vec<i64>),
     TokenBatch(Vec<Vec<i64>>),
@@ -73,12 +71,8 @@ struct Message<'a> {
     tool_calls: Option<serde_json::Value>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum Content<'a> {
-    #[serde(borrow)]
     Text(Cow<'a, str>),
-    #[serde(borrow)]
     Parts(Vec<Part<'a>>),
 }
 
@@ -90,12 +84,8 @@ struct Part<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum InputField<'a> {
-    #[serde(borrow)]
     Text(Cow<'a, str>),
-    #[serde(borrow)]
     Items(Vec<InputItem<'a>>),
 }
 
@@ -353,6 +343,15 @@ mod tests {
         assert_eq!(text(r#"{"prompt":["a","b"]}"#), b"a\nb");
         assert_eq!(text(r#"{"prompt":[1,22,333]}"#), b"1 22 333");
         assert_eq!(text(r#"{"prompt":[[1,2],[3]]}"#), b"1 2\n3");
+        assert_eq!(text(r#"{"prompt":[]}"#), b"");
+        // Escaped strings (unescaped by serde_json, then owned) render the
+        // same bytes as their verbatim spelling (borrowed from the body).
+        assert_eq!(text(r#"{"prompt":"a\nb\u00e9"}"#), "a\nbé".as_bytes());
+        assert_eq!(text(r#"{"prompt":["a\"b"]}"#), b"a\"b");
+        assert_eq!(
+            text(r#"{"messages":[{"role":"user","content":"x\u0041y"}]}"#),
+            text(r#"{"messages":[{"role":"user","content":"xAy"}]}"#)
+        );
         let p = extract(br#"{"model":"llama","prompt":"x","cache_salt":"s1"}"#, 10).unwrap();
         assert_eq!(p.model, "llama");
         assert_eq!(p.cache_salt.as_deref(), Some("s1"));
@@ -450,6 +449,14 @@ mod tests {
             b"{\"prompt\": 5}",
             b"{\"messages\": \"x\"}",
             b"{\"messages\": [5]}",
+            // A prompt array is of one kind.
+            b"{\"prompt\": [1, \"a\"]}",
+            b"{\"prompt\": [\"a\", [1]]}",
+            b"{\"prompt\": [[1], 2]}",
+            b"{\"prompt\": [1.5]}",
+            b"{\"prompt\": [18446744073709551615]}",
+            b"{\"messages\": [{\"content\": 5}]}",
+            b"{\"input\": 5}",
             b"{\"model\": 7, \"prompt\": \"x\"}",
             b"\xff\xfe",
         ] {

@@ -1,0 +1,74 @@
+//! What parsing, hashing and one decision cost, compiled to the target
+//! the filter runs on: `cargo run --release --example decision_cost
+//! --target wasm32-wasip1` (under wasmtime, see .cargo/config.toml), or
+//! natively without `--target`. Median of many runs per size, in µs.
+//! Criterion can't run inside wasm; this is its small stand-in there.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::time::Instant;
+
+use prefix_router::config::Config;
+use prefix_router::request;
+use prefix_router::route::{Hashed, Meta, Router};
+use prefix_router::store::MemStore;
+
+fn body(bytes: usize) -> String {
+    // A document with line breaks, as real prompts have (escapes in JSON).
+    let doc: String = "The quick brown fox jumps over the lazy dog.\\n"
+        .chars()
+        .cycle()
+        .take(bytes)
+        .collect();
+    format!(
+        r#"{{"model":"llama","messages":[{{"role":"system","content":"You answer from the document."}},{{"role":"user","content":"{doc}"}}],"stream":true}}"#
+    )
+}
+
+fn median_us(runs: usize, mut f: impl FnMut()) -> f64 {
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn main() {
+    let eps: Vec<String> = (1..=8).map(|i| format!("\"10.0.0.{i}:8000\"")).collect();
+    let cfg = format!(r#"{{"endpoints":[{}]}}"#, eps.join(","));
+    let r = Router::new(Config::parse(cfg.as_bytes()).expect("config"));
+    let store = MemStore::new();
+    println!(
+        "{:>9} {:>9} {:>9} {:>9} {:>9}",
+        "bytes", "json", "render", "hash", "decision"
+    );
+    for size in [16 << 10, 256 << 10, 1 << 20] {
+        let b = body(size);
+        let runs = if size > 300_000 { 60 } else { 200 };
+        let json = median_us(runs, || {
+            std::hint::black_box(
+                serde_json::from_slice::<serde::de::IgnoredAny>(b.as_bytes()).unwrap(),
+            );
+        });
+        let render = median_us(runs, || {
+            std::hint::black_box(request::extract(b.as_bytes(), 16 << 20).unwrap());
+        });
+        let hash = median_us(runs, || {
+            std::hint::black_box(Hashed::parse(b.as_bytes(), &r.config).unwrap());
+        });
+        let (_, h) = Hashed::parse(b.as_bytes(), &r.config).unwrap();
+        let first = r.decide(&store, &h, Meta::default(), 1000).unwrap();
+        let mut board = prefix_router::load::LoadBoard::new(1, 60_000);
+        r.commit(&store, &mut board, &first, &h, 1000);
+        let decision = median_us(runs, || {
+            let (_, h) = Hashed::parse(b.as_bytes(), &r.config).unwrap();
+            let c = r.decide(&store, &h, Meta::default(), 1000).unwrap();
+            std::hint::black_box(r.header_value(&c));
+        });
+        println!("{size:>9} {json:>9.1} {render:>9.1} {hash:>9.1} {decision:>9.1}");
+    }
+}
