@@ -70,17 +70,24 @@ impl Hashed {
         self.checkpoints.is_empty()
     }
 
-    /// The placement key of a request: the hash at its first checkpoint
-    /// no replica holds (the whole prompt's if every one is held). Content
-    /// below a shared trunk is keyed by where it diverges, not by the trunk,
-    /// so new documents after one long preamble spread over the pool, and
-    /// the same content gets the same key wherever it is seen.
-    fn placement(&self, held: u32) -> u64 {
-        self.checkpoints
-            .iter()
-            .find(|c| c.blocks > held)
-            .or(self.checkpoints.last())
-            .map_or(0, |c| c.hash)
+    /// The placement key of a request, a hash of its own content so that
+    /// every worker and every gateway instance computes the same one:
+    /// - new content (nothing held, or a long continuation below a shared
+    ///   trunk: `new_content`): the hash at its first checkpoint no replica
+    ///   holds, so documents after one long preamble are keyed by where
+    ///   they diverge, not by the preamble, and spread over the pool;
+    /// - a short continuation of a held prefix (a question on a document,
+    ///   a group's next request): the hash at the deepest checkpoint held,
+    ///   the prefix itself, so when its holder is too busy, its requests
+    ///   spill to one agreed replica instead of a different one each time
+    ///   (each spill is another copy of the prefix).
+    fn placement(&self, held: u32, new_content: bool) -> u64 {
+        let cp = if held == 0 || new_content {
+            self.checkpoints.iter().find(|c| c.blocks > held)
+        } else {
+            self.checkpoints.iter().rev().find(|c| c.blocks <= held)
+        };
+        cp.or(self.checkpoints.last()).map_or(0, |c| c.hash)
     }
 }
 
@@ -400,7 +407,13 @@ impl Router {
                 b.forked && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
             })
             .map_or(0, |b| b.held);
-        let ranked = score::rank_below(&cands, blocks, trunk, hashed.placement(held), &self.params);
+        let ranked = score::rank_below(
+            &cands,
+            blocks,
+            trunk,
+            hashed.placement(held, trunk > 0),
+            &self.params,
+        );
         let held = ranked
             .order
             .first()

@@ -102,9 +102,8 @@ pub struct ScoreParams {
     /// be placed as new content below a trunk (see `rank_below`); shorter
     /// continuations (a question) stay with the prefix's holders.
     pub trunk_min_new_blocks: u32,
-    /// Independent gateway instances in front of the same replicas (see
-    /// `two_choices`); this instance sees about 1/gateways of the
-    /// in-flight work, so its counts are scaled up by it.
+    /// Independent gateway instances in front of the same replicas: above
+    /// 1, new content is placed by `two_choices` so that they agree.
     pub gateways: u32,
 }
 
@@ -164,8 +163,13 @@ pub fn rank_below(
             reason: Reason::NoPrompt,
         };
     }
-    let scale = f64::from(p.gateways.max(1));
-    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load) * scale).collect();
+    // With many gateways the in-flight counts are this instance's share
+    // only. Scaling them up by `gateways` was tried: it turned one local
+    // cold prefill into a load over the bound and voided the prefix credit
+    // of every group on that replica (shared-prefix, 3 instances: hit rate
+    // 85-88% scaled, 95% not). Unscaled they count as the sample they are;
+    // the scraped queue and KV usage are what every instance sees alike.
+    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
     let mean = loads.iter().sum::<f64>() / cands.len() as f64;
     let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
     // The slack keeps a lightly loaded pool from treating a replica with a
