@@ -741,6 +741,38 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_holders_prefix_spills_to_one_replica_whatever_the_question() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let h = hashed(&r, &doc(0, 0));
+        let first = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+        r.commit(&s, &mut board, &first, &h, 1000);
+        let holder = first.order[0];
+        let ask = |q: usize| {
+            let question = format!("Question {q}: ").repeat(30);
+            let body = format!(
+                r#"{{"model":"m","prompt":"{} {question}"}}"#,
+                "Document 0: ".repeat(200)
+            );
+            hashed(&r, &body)
+        };
+        // Unrelated requests in flight on the holder, well over the bound.
+        for _ in 0..60 {
+            let mut c = first.clone();
+            c.order = vec![holder];
+            r.commit(&s, &mut board, &c, &Hashed::default(), 1000);
+        }
+        let picks: HashSet<usize> = (1..40)
+            .map(|q| r.decide(&s, &ask(q), Meta::default(), 1000).unwrap().order[0])
+            .collect();
+        assert!(!picks.contains(&holder), "{picks:?}");
+        // Keyed by the request's own new content, the questions went to
+        // all three other replicas: three more copies of the document.
+        assert_eq!(picks.len(), 1, "{picks:?} holder {holder}");
+    }
+
+    #[test]
     fn header_lists_fallbacks_best_first() {
         let r = router(r#","max_fallbacks":2"#);
         let s = MemStore::new();
