@@ -162,6 +162,11 @@ class Sim:
     def metrics(self) -> dict[str, dict[str, float]]:
         return {a: prom_sums(http("GET", f"http://{a}/metrics", timeout=5)) for a in self.addrs}
 
+    def fault(self, addr: str, mode: str) -> None:
+        """Set a replica's /metrics fault: `error` takes it out of
+        prefix-router's pool within a few scrapes, `ok` brings it back."""
+        http("POST", f"http://{addr}/admin/metrics-fault", json.dumps({"mode": mode}).encode())
+
 
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> str:
     req = urllib.request.Request(url, data=body, method=method)
@@ -325,6 +330,32 @@ def key_affinity(doc: dict) -> float | None:
             counts[r["served_by"]] = counts.get(r["served_by"], 0) + 1
     total = sum(sum(c.values()) for c in by_key.values())
     return sum(max(c.values()) for c in by_key.values()) / total if total else None
+
+
+def placement_moves(doc: dict, changed: str, change: str, at_s: float) -> dict:
+    """How many keys (groups, documents, conversations) changed replica
+    when one replica left (`remove`) or joined (`add`) the pool `at_s`
+    seconds into the run: each key's usual replica before, and after (from
+    one second later, once the filter has seen the change). Consistent
+    placement moves only the keys that must move: those on the replica
+    that left, or about 1/N of them to the one that joined."""
+    def usual(records) -> dict[str, str]:
+        by_key: dict[str, dict[str, int]] = {}
+        for r in records:
+            c = by_key.setdefault(r.get("key", ""), {})
+            c[r["served_by"]] = c.get(r["served_by"], 0) + 1
+        return {k: max(c, key=c.get) for k, c in by_key.items()}
+
+    ok = [r for r in doc.get("records", []) if r.get("ok") and r.get("served_by")]
+    before = usual(r for r in ok if r["start_s"] < at_s)
+    after = usual(r for r in ok if r["start_s"] >= at_s + 1.0)
+    both = [k for k in before if k in after]
+    moved = [k for k in both if before[k] != after[k]]
+    forced = [k for k in moved if (before[k] == changed if change == "remove" else after[k] == changed)]
+    return {"change": change, "replica": changed, "at_s": at_s, "keys": len(both),
+            "moved": len(moved), "moved_as_needed": len(forced), "moved_otherwise": len(moved) - len(forced),
+            "on_changed_before": sum(1 for k in both if before[k] == changed),
+            "on_changed_after": sum(1 for k in both if after[k] == changed)}
 
 
 class Router:
@@ -561,12 +592,25 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
             cpu0 = {pid: cpu_seconds(pid) for pid in router.pids()}
             poller = Poller(sim)
             poller.start()
+            change = a.replica_change if kind.startswith("prefix-router") else None
+            changed = sim.addrs[-1]
+            if change == "add":
+                # Out of the pool from the start (its scrapes fail).
+                sim.fault(changed, "error")
+                time.sleep(1.0)
+            timer = threading.Timer(a.change_after, sim.fault,
+                                    (changed, "error" if change == "remove" else "ok"))
+            if change:
+                timer.start()
             t0 = time.time()
             try:
                 doc = run_loadgen(router.targets, prof, sim,
                                   outdir / "runs" / f"{workload}--{kind}.json", a)
             finally:
                 poller.stop()
+                timer.cancel()
+                if change:
+                    sim.fault(changed, "ok")
             wall = time.time() - t0
             after = sim.metrics()
             router_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
@@ -604,6 +648,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
                                 if workload in SESSION_WORKLOADS else None),
         "ttft_warm_ms": warm_ttft(doc, prof["time_scale"]) if workload in WARM_WORKLOADS else None,
         "key_affinity": key_affinity(doc),
+        "replica_change": (placement_moves(doc, changed, change, a.change_after) if change else None),
         "records_file": f"runs/{workload}--{kind}.json",
     })
     log(f"[{workload}] {kind}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "
@@ -665,6 +710,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--affinity", action="store_true",
                     help="turn on prefix-router's session affinity and have conversations and agent "
                          "sessions echo its token (an opt-in client)")
+    ap.add_argument("--replica-change", choices=("remove", "add"), default=None,
+                    help="prefix-router runs only: one replica leaves (its /metrics starts failing) or "
+                         "joins (starts failing, then recovers) --change-after real seconds into the run; "
+                         "the report says how many keys changed replica")
+    ap.add_argument("--change-after", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--wasm", type=Path, default=None,
                     help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")

@@ -51,6 +51,14 @@ def _distinct_content(data: dict) -> str | None:
     return None
 
 
+def _change(c: dict) -> str:
+    """The run note for --replica-change."""
+    side = "on it before" if c["change"] == "remove" else "on it after"
+    return (f"; replica {c['change']} at {c['at_s']:.0f} s: {c['moved']} of {c['keys']} keys changed replica, "
+            f"{c['moved_as_needed']} of them had to ({c['on_changed_before' if c['change'] == 'remove' else 'on_changed_after']} "
+            f"{side}), {c['moved_otherwise']} others")
+
+
 def render(results: dict) -> str:
     out = ["# prefix-router benchmark", ""]
     out.append(
@@ -111,6 +119,7 @@ def render(results: dict) -> str:
                 + (f"; {100 * r['key_affinity']:.0f}% of requests on their key's usual replica"
                    if r.get("key_affinity") is not None else "")
                 + (f"; errors: {r['error_kinds']}" if r.get("error_kinds") else "")
+                + (_change(r["replica_change"]) if r.get("replica_change") else "")
                 + (
                     "; filter decisions: "
                     + ", ".join(

@@ -185,3 +185,20 @@ def test_key_affinity():
                                                                 {"ok": False, "key": "b", "served_by": "r1"}]
     assert orchestrate.key_affinity({"records": recs}) == 4 / 5
     assert orchestrate.key_affinity({"records": []}) is None
+
+
+def test_placement_moves_counts_forced_and_other_moves():
+    def rec(key, t, r):
+        return {"ok": True, "key": key, "start_s": t, "served_by": r}
+    recs = [rec("a", 1, "r1"), rec("a", 9, "r2"),   # on the removed replica: must move
+            rec("b", 1, "r2"), rec("b", 9, "r3"),   # moved without need
+            rec("c", 1, "r3"), rec("c", 9, "r3"),   # stayed
+            rec("d", 1, "r2"), rec("d", 5.5, "r1"),  # after the change but inside the settling second
+            rec("d", 9, "r2")]
+    m = orchestrate.placement_moves({"records": recs}, "r1", "remove", 5.0)
+    assert (m["keys"], m["moved"], m["moved_as_needed"], m["moved_otherwise"]) == (4, 2, 1, 1)
+    assert m["on_changed_before"] == 1 and m["on_changed_after"] == 0
+    # A replica that joins: moving onto it is needed, elsewhere is not.
+    m = orchestrate.placement_moves({"records": recs}, "r3", "add", 5.0)
+    assert (m["moved"], m["moved_as_needed"], m["moved_otherwise"]) == (2, 1, 1)
+    assert "1 of them had to" in report._change(m)
