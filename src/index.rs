@@ -157,6 +157,21 @@ pub struct Branch {
     child: u64,
 }
 
+impl Branch {
+    /// The prefix is a shared trunk for this request: forked before, or
+    /// this request is its second, different continuation (the first was
+    /// recorded as `child`). Without the second case the first two
+    /// documents or agent sessions below a new preamble (in each gateway
+    /// instance) were priced as followers of the first and piled onto the
+    /// preamble's first holder. A conversation's next turn is no fork: the
+    /// last turn ended there, so nothing followed it yet (or this turn's
+    /// own continuation, on a retry).
+    pub fn forks(&self, next: Option<&Checkpoint>) -> bool {
+        self.forked
+            || (self.child != 0 && next.is_some_and(|n| n.on_schedule && n.hash != self.child))
+    }
+}
+
 impl Matches {
     pub fn get(&self, id: ReplicaId) -> u32 {
         self.blocks.get(&id).map_or(0, |m| m.blocks)
@@ -527,10 +542,13 @@ mod tests {
             !idx.note_branch(&s, &later, &b),
             "same continuation: no write"
         );
+        assert!(!b.forks(later.get(b.at + 1)), "a conversation's next turn");
         // Another document below the same trunk.
         let second = cps(&"document two ".repeat(100));
         let b = idx.lookup(&s, &second).branch.unwrap();
         assert!(b.held >= trunk.len() as u32 / 64 - 32 && !b.forked);
+        // Not marked yet, but this request is the second continuation.
+        assert!(b.forks(second.get(b.at + 1)));
         assert!(idx.note_branch(&s, &second, &b));
         let third = cps(&"document three ".repeat(100));
         let b = idx.lookup(&s, &third).branch.unwrap();

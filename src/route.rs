@@ -122,8 +122,6 @@ pub struct Choice {
     pub stamped: u32,
     /// Work this request adds to its replica (removed when it ends).
     pub work: u64,
-    /// A shared trunk every replica was priced as holding (0: none).
-    pub trunk: u32,
     pub matches: Matches,
 }
 
@@ -404,7 +402,8 @@ impl Router {
         let trunk = matches
             .branch
             .filter(|b| {
-                b.forked && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
+                b.forks(hashed.checkpoints.get(b.at + 1))
+                    && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
             })
             .map_or(0, |b| b.held);
         let ranked = score::rank_below(
@@ -445,7 +444,6 @@ impl Router {
             matched: held.blocks,
             stamped: held.stamped,
             work: self.params.work_of(blocks, held.blocks),
-            trunk,
             matches,
         })
     }
@@ -527,12 +525,12 @@ impl Router {
         let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
             return RecordStats::default();
         };
-        // New content placed there, for spreading later new content: a copy
-        // of a shared trunk doesn't count (every replica ends up with one),
-        // or it would drown the differences that matter.
-        let new_blocks = choice
-            .blocks
-            .saturating_sub(choice.matched.max(choice.trunk));
+        // New content placed there, for spreading later new content: all
+        // the pick didn't hold, a copy of a shared trunk included. That is
+        // a real prefill, and each replica's first copy counts once; left
+        // out, only the trunk's first holder was charged for it and it got
+        // a fraction of the documents that followed.
+        let new_blocks = choice.blocks.saturating_sub(choice.matched);
         board.start(store, ep.id(), choice.work, new_blocks, now_ms);
         if hashed.is_empty() {
             return RecordStats::default();
