@@ -58,6 +58,9 @@ impl Pool {
     }
 }
 
+/// prefix-router's explanation of its pick (its `debug_header` option).
+const DEBUG_HEADER: &str = "x-prefix-router-debug";
+
 /// What one request measured, in real milliseconds from just before the
 /// request was written.
 #[derive(Default, Debug)]
@@ -77,6 +80,8 @@ pub struct Outcome {
     /// The response's session-affinity token (`--affinity-header`), for
     /// the conversation's next turn.
     pub affinity: Option<String>,
+    /// prefix-router's decision, when the filter runs with `debug_header`.
+    pub decision: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -166,6 +171,11 @@ pub async fn send(
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
     }
+    out.decision = resp
+        .headers()
+        .get(DEBUG_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
     let mut buf: Vec<u8> = Vec::new();

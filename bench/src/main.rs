@@ -453,6 +453,7 @@ impl Run {
             served_by: out.served_by.clone(),
             prompt_tokens: out.prompt_tokens,
             cached_tokens: out.cached_tokens,
+            decision: out.decision.clone(),
         };
         if ok {
             if let Ok(mut v) = self.itl.lock() {

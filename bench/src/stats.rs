@@ -26,6 +26,9 @@ pub struct Record {
     pub served_by: Option<String>,
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// The filter's explanation of the pick (`--plugin '{"debug_header":true}'`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
 }
 
 #[derive(Serialize, Default, Debug)]
