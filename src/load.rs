@@ -12,8 +12,9 @@ use std::collections::HashMap;
 use crate::endpoint::ReplicaId;
 use crate::store::{self, get_existing, update, Store, Writer};
 
-/// 2: placed content; 3: the common record envelope (`store::Writer`).
-const VERSION: u8 = 3;
+/// 2: placed content; 3: the common record envelope (`store::Writer`);
+/// 4: placed branches.
+const VERSION: u8 = 4;
 /// The slot counter's (unversioned before: a bare u32).
 const COUNT_VERSION: u8 = 1;
 /// Placed-content estimates halve this often: roughly how long a model
@@ -32,6 +33,10 @@ pub struct Load {
     /// (new content in its cache), decaying with `PLACED_HALF_LIFE_MS`: how
     /// full of other groups' prefixes it is, for placing new ones.
     pub placed: u32,
+    /// New prefixes or branches placed on the replica recently, decaying
+    /// like `placed`: how many groups, documents or sessions it took on,
+    /// whatever their size, each of which brings its followers there.
+    pub branches: u32,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -46,10 +51,14 @@ fn slot_key(i: u32) -> String {
 }
 
 fn encode(s: &Slot) -> Vec<u8> {
-    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 24);
+    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 28);
     w.u64(s.owner).u64(s.heartbeat_ms).count(s.loads.len());
     for (id, l) in &s.loads {
-        w.u64(*id).u32(l.requests).u64(l.work).u32(l.placed);
+        w.u64(*id)
+            .u32(l.requests)
+            .u64(l.work)
+            .u32(l.placed)
+            .u32(l.branches);
     }
     w.finish()
 }
@@ -62,13 +71,14 @@ fn decode(buf: &[u8]) -> Option<Slot> {
         let mut loads = Vec::with_capacity(n);
         for _ in 0..n {
             let id = r.u64()?;
-            let (requests, work, placed) = (r.u32()?, r.u64()?, r.u32()?);
+            let (requests, work, placed, branches) = (r.u32()?, r.u64()?, r.u32()?, r.u32()?);
             loads.push((
                 id,
                 Load {
                     requests,
                     work,
                     placed,
+                    branches,
                 },
             ));
         }
@@ -141,19 +151,22 @@ impl LoadBoard {
     }
 
     /// A request starts on `id`: `work` in flight, `new_blocks` of prefix
-    /// it didn't hold.
+    /// it didn't hold; `branch` when it placed new content there (a new
+    /// prefix, or new content below a shared trunk).
     pub fn start<S: Store + ?Sized>(
         &mut self,
         store: &S,
         id: ReplicaId,
         work: u64,
         new_blocks: u32,
+        branch: bool,
         now_ms: u64,
     ) {
         let l = self.local.entry(id).or_default();
         l.requests = l.requests.saturating_add(1);
         l.work = l.work.saturating_add(work);
         l.placed = l.placed.saturating_add(new_blocks);
+        l.branches = l.branches.saturating_add(u32::from(branch));
         self.publish(store, now_ms);
     }
 
@@ -174,10 +187,13 @@ impl LoadBoard {
         if halvings > 0 {
             self.last_decay_ms += halvings * PLACED_HALF_LIFE_MS;
             for l in self.local.values_mut() {
-                l.placed = l.placed.checked_shr(halvings.min(31) as u32).unwrap_or(0);
+                let halve = |n: u32| n.checked_shr(halvings.min(31) as u32).unwrap_or(0);
+                l.placed = halve(l.placed);
+                l.branches = halve(l.branches);
             }
         }
-        self.local.retain(|_, l| l.requests > 0 || l.placed > 0);
+        self.local
+            .retain(|_, l| l.requests > 0 || l.placed > 0 || l.branches > 0);
     }
 
     /// Called on the timer: keeps the slot fresh while the VM lives.
@@ -329,6 +345,7 @@ pub fn snapshot<S: Store + ?Sized>(
             t.requests = t.requests.saturating_add(l.requests);
             t.work = t.work.saturating_add(l.work);
             t.placed = t.placed.saturating_add(l.placed);
+            t.branches = t.branches.saturating_add(l.branches);
         }
     }
     out
@@ -344,9 +361,9 @@ mod tests {
         let s = MemStore::new();
         let mut w1 = LoadBoard::new(1, 1000);
         let mut w2 = LoadBoard::new(2, 1000);
-        w1.start(&s, 10, 5, 0, 0);
-        w2.start(&s, 10, 7, 0, 0);
-        w2.start(&s, 20, 1, 0, 0);
+        w1.start(&s, 10, 5, 0, false, 0);
+        w2.start(&s, 10, 7, 0, false, 0);
+        w2.start(&s, 20, 1, 0, false, 0);
         assert_ne!(w1.slot(), w2.slot());
         let snap = snapshot(&s, 1, 1000);
         assert_eq!(
@@ -354,7 +371,7 @@ mod tests {
             Load {
                 requests: 2,
                 work: 12,
-                placed: 0
+                ..Load::default()
             }
         );
         assert_eq!(snap[&20].requests, 1);
@@ -368,11 +385,11 @@ mod tests {
     fn a_dead_workers_counts_expire_and_its_slot_is_reused() {
         let s = MemStore::new();
         let mut dead = LoadBoard::new(1, 1000);
-        dead.start(&s, 10, 5, 0, 0);
+        dead.start(&s, 10, 5, 0, false, 0);
         assert_eq!(snapshot(&s, 500, 1000)[&10].requests, 1);
         assert!(snapshot(&s, 1500, 1000).is_empty());
         let mut next = LoadBoard::new(2, 1000);
-        next.start(&s, 11, 1, 0, 1500);
+        next.start(&s, 11, 1, 0, false, 1500);
         assert_eq!(next.slot(), dead.slot());
         assert_eq!(slot_count(&s), 1);
     }
@@ -381,10 +398,10 @@ mod tests {
     fn a_vm_whose_slot_was_taken_moves_with_its_counts() {
         let s = MemStore::new();
         let mut slow = LoadBoard::new(1, 1000);
-        slow.start(&s, 10, 5, 0, 0);
+        slow.start(&s, 10, 5, 0, false, 0);
         // Looked dead at t=2000, so a new VM took slot 0.
         let mut fresh = LoadBoard::new(2, 1000);
-        fresh.start(&s, 11, 1, 0, 2000);
+        fresh.start(&s, 11, 1, 0, false, 2000);
         assert_eq!(fresh.slot(), Some(0));
         slow.heartbeat(&s, 2001);
         assert_eq!(slow.slot(), Some(1));
@@ -397,16 +414,16 @@ mod tests {
     fn placed_content_outlives_requests_and_decays() {
         let s = MemStore::new();
         let mut w = LoadBoard::new(1, 1_000_000);
-        w.start(&s, 10, 5, 128, 1);
-        w.finish(&s, 10, 5, 2);
+        for (work, branch) in [(5, true), (6, true), (7, false)] {
+            w.start(&s, 10, work, 64, branch, 1);
+            w.finish(&s, 10, work, 2);
+        }
         let snap = snapshot(&s, 3, 1_000_000);
         assert_eq!(snap[&10].requests, 0);
-        assert_eq!(snap[&10].placed, 128);
+        assert_eq!((snap[&10].placed, snap[&10].branches), (192, 2));
         w.heartbeat(&s, 1 + PLACED_HALF_LIFE_MS);
-        assert_eq!(
-            snapshot(&s, 2 + PLACED_HALF_LIFE_MS, 1_000_000)[&10].placed,
-            64
-        );
+        let later = snapshot(&s, 2 + PLACED_HALF_LIFE_MS, 1_000_000)[&10];
+        assert_eq!((later.placed, later.branches), (96, 1));
         w.heartbeat(&s, 1 + 20 * PLACED_HALF_LIFE_MS);
         assert!(snapshot(&s, 2 + 20 * PLACED_HALF_LIFE_MS, 1_000_000).is_empty());
     }
@@ -432,7 +449,7 @@ mod tests {
                 // The rival starts and claims between our read of the
                 // empty store and our first write.
                 if let Some(mut b) = self.rival.borrow_mut().take() {
-                    b.start(self.inner, 20, 1, 0, 0);
+                    b.start(self.inner, 20, 1, 0, false, 0);
                     assert_eq!(b.slot(), Some(0));
                 }
                 self.inner.set(key, value, cas)
@@ -444,7 +461,7 @@ mod tests {
             rival: std::cell::RefCell::new(Some(LoadBoard::new(2, 1000))),
         };
         let mut a = LoadBoard::new(1, 1000);
-        a.start(&racing, 10, 1, 0, 0);
+        a.start(&racing, 10, 1, 0, false, 0);
         a.heartbeat(&s, 1);
         assert_eq!(a.slot(), Some(1));
         // The rival never had to move: its counts were never overwritten.
@@ -476,6 +493,7 @@ mod tests {
                     requests: 4,
                     work: 5,
                     placed: 6,
+                    branches: 7,
                 },
             )],
         });

@@ -527,7 +527,8 @@ impl Router {
         // out, only the trunk's first holder was charged for it and it got
         // a fraction of the documents that followed.
         let new_blocks = choice.blocks.saturating_sub(choice.matched);
-        board.start(store, ep.id(), choice.work, new_blocks, now_ms);
+        let branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
+        board.start(store, ep.id(), choice.work, new_blocks, branch, now_ms);
         if hashed.is_empty() {
             return RecordStats::default();
         }

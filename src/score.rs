@@ -175,19 +175,44 @@ pub fn rank_below(
     // The slack keeps a lightly loaded pool from treating a replica with a
     // few requests as "above the mean".
     let bound = p.bounded_load_factor * mean + p.bounded_load_slack as f64;
+    // New content (nobody holds more than the trunk) decides where its
+    // followers go from then on: a document's questions, a session's
+    // turns. For it, in-flight work within the load slack of the least
+    // loaded replica is no difference (one agent turn in flight says
+    // little about the replica's next minute), and near-ties go to the
+    // replica that took the fewest new prefixes or branches lately,
+    // whatever their size, then to rendezvous. In the cost, the spread
+    // term is scaled by this request's new blocks: for an agent's task a
+    // few dozen, too little to tell a replica running two sessions from an
+    // idle one (agentic: 1-3 sessions per replica, share 1.5-1.7). A tie
+    // band as wide as the new content's prefill was tried: it sent first
+    // turns to busier replicas (multi-turn TTFT p95 +13%, long-preamble
+    // +15-25%).
+    let fresh = blocks > 0 && cands.iter().all(|c| c.matched <= trunk.min(blocks));
+    let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    // A replica keeps the credit for what it holds while under the bound.
+    // One request in flight is no overload, however long: it made an
+    // agent session's holder shed a 1,800-block history, to re-prefill it
+    // elsewhere, because another session's 300-block turn ran there.
+    let keeps: Vec<bool> = cands
+        .iter()
+        .zip(&loads)
+        .map(|(c, &load)| load <= bound || c.load.requests <= 1)
+        .collect();
     let costs: Vec<f64> = cands
         .iter()
         .zip(&loads)
-        .map(|(c, &load)| {
-            let credit = if load <= bound {
-                c.matched.min(blocks)
+        .zip(&keeps)
+        .map(|((c, &load), &keeps)| {
+            let felt = if fresh {
+                (load - least - f64::from(p.bounded_load_slack)).max(0.0)
             } else {
-                0
-            }
-            .max(trunk.min(blocks));
+                load
+            };
+            let credit = if keeps { c.matched.min(blocks) } else { 0 }.max(trunk.min(blocks));
             let w = &p.weights;
             w.prefix * blocks.saturating_sub(credit) as f64
-                + w.load * load
+                + w.load * felt
                 + w.queue * c.waiting.max(0.0) as f64
                 + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
                 + c.lora.cost(w.lora)
@@ -209,13 +234,16 @@ pub fn rank_below(
     order.sort_by(|&a, &b| {
         let tie_a = costs[a] - best < band;
         let tie_b = costs[b] - best < band;
+        let (la, lb) = (&cands[a].load, &cands[b].load);
         tie_b
             .cmp(&tie_a)
             .then_with(|| {
-                if tie_a && tie_b {
-                    std::cmp::Ordering::Equal
-                } else {
+                if !(tie_a && tie_b) {
                     costs[a].total_cmp(&costs[b])
+                } else if fresh {
+                    (la.branches, la.placed).cmp(&(lb.branches, lb.placed))
+                } else {
+                    std::cmp::Ordering::Equal
                 }
             })
             .then_with(|| {
@@ -244,14 +272,12 @@ pub fn rank_below(
         // new content: worth it only for a bigger load difference.
         let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
         let margin = band.max(p.weights.prefix * new_blocks);
-        two_choices(
-            cands, &pressure, &loads, bound, margin, placement, &mut order,
-        );
+        two_choices(cands, &pressure, &keeps, margin, placement, &mut order);
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
     let mut reason = reason;
-    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && loads[i] <= bound) {
+    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
         order.retain(|&i| i != a);
         order.insert(0, a);
         reason = Reason::Affinity;
@@ -299,7 +325,8 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 /// key, or to the second when the first is busier by more than `margin`
 /// (load, queue, KV; at least what a second copy of the content would
 /// cost), and further down the rendezvous order only when both
-/// are over the load bound. Every instance computes the same two
+/// are over the load bound (one request in flight never is: another
+/// instance's view of the same replica may hold nothing). Every instance computes the same two
 /// candidates from the content and the replica set, so the same new
 /// content lands on at most two replicas however many instances see it,
 /// on one when loads are near even, and the choice still balances load
@@ -308,15 +335,14 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 fn two_choices(
     cands: &[Candidate],
     pressure: &[f64],
-    loads: &[f64],
-    bound: f64,
+    keeps: &[bool],
     margin: f64,
     placement: u64,
     order: &mut Vec<usize>,
 ) {
     let mut by_hash: Vec<usize> = (0..cands.len()).collect();
     by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(placement, cands[i].id)));
-    let within = |i: &usize| loads.get(*i).is_some_and(|&l| l <= bound);
+    let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
     let pick = match top[..] {
         [a, b] if pressure[a] - pressure[b] > margin => Some(b),
@@ -368,7 +394,7 @@ mod tests {
             load: Load {
                 requests,
                 work,
-                placed: 0,
+                ..Load::default()
             },
             waiting: 0.0,
             kv_usage: 0.0,
@@ -440,15 +466,54 @@ mod tests {
         // this view loses every pair it is in).
         assert!(spread.len() >= 7, "{spread:?}");
         assert!(spread.values().all(|&n| n < 2000 * 2 / 8), "{spread:?}");
-        // With one instance nothing changes: the pick is always within
+        // With one instance the pick is always within the load slack and
         // one request's constant of the least loaded replica.
         p.gateways = 1;
-        let v = &views[0];
-        let least = v.iter().map(|c| c.load.work).min().unwrap();
-        for k in 0..200u64 {
-            let picked = v[rank(v, 64, k, &p).order[0]].load.work;
-            assert!(picked < least + 8, "key {k}: work {picked} vs {least}");
+        let mut v = views[0].clone();
+        for c in &mut v {
+            c.load.work *= 5;
         }
+        let least = v.iter().map(|c| c.load.work).min().unwrap();
+        let mut picks = std::collections::HashSet::new();
+        for k in 0..200u64 {
+            let picked = v[rank(&v, 64, k, &p).order[0]].load.work;
+            assert!(picked < least + 64 + 8, "key {k}: work {picked} vs {least}");
+            picks.insert(picked);
+        }
+        assert!(picks.len() > 1, "new content all went to one replica");
+    }
+
+    #[test]
+    fn new_content_goes_where_the_fewest_branches_went() {
+        // Four replicas that each hold the trunk (624 blocks); an agent's
+        // task adds 30. One turn in flight (100 blocks of work) on the
+        // replica with no session yet; the others run nothing but took
+        // one, two and three sessions.
+        let mut c: Vec<Candidate> = (1..=4).map(|id| cand(id, 624, 0, 0)).collect();
+        for (i, n) in [0u32, 1, 2, 3].into_iter().enumerate() {
+            c[i].load.branches = n;
+            c[i].load.placed = 30 * n;
+        }
+        c[0].load = Load {
+            requests: 1,
+            work: 100,
+            ..c[0].load
+        };
+        for key in 0..100 {
+            let r = rank_below(&c, 654, 624, key, &params());
+            assert_eq!(r.reason, Reason::NewBranch);
+            assert_eq!(r.order[0], 1, "key {key}: {:?}", r.costs);
+        }
+        // In-flight work within the load slack (64 blocks) is no
+        // difference: the replica without a session gets the next one.
+        c[0].load.work = 50;
+        for key in 0..100 {
+            assert_eq!(rank_below(&c, 654, 624, key, &params()).order[0], 0);
+        }
+        // Followers are not new content: they stay with the holder.
+        c[1].matched = 654;
+        c[1].load.work = 0;
+        assert_eq!(rank(&c, 660, 7, &params()).order[0], 1);
     }
 
     #[test]
@@ -460,10 +525,22 @@ mod tests {
         let mut by_hash: Vec<usize> = (0..4).collect();
         by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, c[i].id)));
         // Both rendezvous candidates far over the bound.
-        c[by_hash[0]].load.work = 5000;
-        c[by_hash[1]].load.work = 5000;
+        for &i in &by_hash[..2] {
+            c[i].load = Load {
+                requests: 4,
+                work: 5000,
+                ..Load::default()
+            };
+        }
         let pick = rank(&c, 10, key, &p).order[0];
         assert!(pick == by_hash[2] || pick == by_hash[3], "{pick}");
+        // One long request in flight on the first is no overload: a
+        // conversation new to this instance (600 blocks) goes where another
+        // instance that saw it before would have put it.
+        c[by_hash[0]].load.requests = 1;
+        c[by_hash[0]].load.work = 700;
+        c[by_hash[1]].load = Load::default();
+        assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[0]);
     }
 
     #[test]
@@ -472,10 +549,37 @@ mod tests {
         c[0].affinity = true;
         let r = rank(&c, 130, 5, &params());
         assert_eq!((r.order[0], r.reason), (0, Reason::Affinity));
-        // Far over the bound: the token is not followed.
-        c[0].load.work = 5000;
+        // One long request in flight is no overload: still followed.
+        c[0].load = Load {
+            requests: 1,
+            work: 5000,
+            ..Load::default()
+        };
+        assert_eq!(rank(&c, 130, 5, &params()).reason, Reason::Affinity);
+        // Far over the bound with a queue: the token is not followed.
+        c[0].load.requests = 12;
         let r = rank(&c, 130, 5, &params());
         assert_eq!((r.order[0], r.reason), (1, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn one_long_request_in_flight_does_not_shed_a_held_history() {
+        // Replica 0 holds a session's 1,800 blocks; another session's
+        // 300-block turn runs there, the pool is otherwise nearly idle.
+        let c = [
+            cand(1, 1800, 1, 300),
+            cand(2, 624, 0, 0),
+            cand(3, 624, 1, 20),
+        ];
+        let r = rank(&c, 1820, 7, &params());
+        assert_eq!((r.order[0], r.reason), (0, Reason::PrefixHit));
+        // Two turns in flight there are a queue over the bound: it spills.
+        let c = [
+            cand(1, 1800, 2, 600),
+            cand(2, 624, 0, 0),
+            cand(3, 624, 1, 20),
+        ];
+        assert_eq!(rank(&c, 1820, 7, &params()).reason, Reason::LoadSpill);
     }
 
     #[test]
