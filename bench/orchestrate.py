@@ -743,9 +743,10 @@ def main(argv: list[str] | None = None) -> int:
         PLUGIN_EXTRA.setdefault("gateways", a.envoy_instances)
     if a.affinity:
         # Every instance gets the same key, as an operator's secret store
-        # would give it.
+        # would give it; the load generator's conversations and sessions
+        # send the token back.
         PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
-                                             "header": AFFINITY_HEADER})
+                                             "header": AFFINITY_HEADER, "clients_echo": True})
 
     if a.demo:
         a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"

@@ -266,6 +266,14 @@ pub struct Affinity {
     pub key: String,
     /// Age after which a token is no longer honoured.
     pub max_age_s: u64,
+    /// Every client that continues a session sends the token back (an
+    /// agent framework or SDK you control). With several gateways, new
+    /// content then goes to whichever of its two rendezvous candidates
+    /// this instance's ranking prefers (load, recent placements), since a
+    /// session's later turns find their replica by the token; without it,
+    /// new content stays on its first candidate unless that is much
+    /// busier, so that an instance without the token agrees.
+    pub clients_echo: bool,
 }
 
 impl Default for Affinity {
@@ -274,6 +282,7 @@ impl Default for Affinity {
             header: DEFAULT_AFFINITY_HEADER.into(),
             key: String::new(),
             max_age_s: 3600,
+            clients_echo: false,
         }
     }
 }
@@ -285,6 +294,7 @@ impl fmt::Debug for Affinity {
             .field("header", &self.header)
             .field("key", &format_args!("<{} bytes>", self.key.len()))
             .field("max_age_s", &self.max_age_s)
+            .field("clients_echo", &self.clients_echo)
             .finish()
     }
 }
@@ -663,12 +673,13 @@ mod tests {
         let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
         assert_eq!(a.header, "x-prefix-router-affinity");
         assert_eq!(a.key, KEY);
-        assert_eq!(a.max_age_s, 3600);
+        assert_eq!((a.max_age_s, a.clients_echo), (3600, false));
         let json = format!(
-            r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"header":"x-session","key":"{KEY}","max_age_s":604800}}}}"#
+            r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"header":"x-session","key":"{KEY}","max_age_s":604800,"clients_echo":true}}}}"#
         );
         let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
         assert_eq!((a.header.as_str(), a.max_age_s), ("x-session", 604_800));
+        assert!(a.clients_echo);
     }
 
     #[test]

@@ -209,6 +209,7 @@ impl Router {
             bounded_load_slack: config.bounded_load_slack_blocks,
             trunk_min_new_blocks: config.trunk_min_new_blocks,
             gateways: config.gateways,
+            clients_echo: config.affinity.as_ref().is_some_and(|a| a.clients_echo),
         };
         // A slot is dead after 10 missed heartbeats (and never sooner than
         // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).

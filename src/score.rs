@@ -105,6 +105,11 @@ pub struct ScoreParams {
     /// Independent gateway instances in front of the same replicas: above
     /// 1, new content is placed by `two_choices` so that they agree.
     pub gateways: u32,
+    /// Clients send the affinity token back on a session's later turns
+    /// (`affinity.clients_echo`): with many gateways, new content may
+    /// then go to either of its two rendezvous candidates by this
+    /// instance's ranking, not only to the first unless it is much busier.
+    pub clients_echo: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -272,7 +277,12 @@ pub fn rank_below(
         // new content: worth it only for a bigger load difference.
         let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
         let margin = band.max(p.weights.prefix * new_blocks);
-        two_choices(cands, &pressure, &keeps, margin, placement, &mut order);
+        let choose = if p.clients_echo {
+            Choose::Ranked
+        } else {
+            Choose::Margin(margin)
+        };
+        two_choices(cands, &pressure, &keeps, choose, placement, &mut order);
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
@@ -336,7 +346,7 @@ fn two_choices(
     cands: &[Candidate],
     pressure: &[f64],
     keeps: &[bool],
-    margin: f64,
+    choose: Choose,
     placement: u64,
     order: &mut Vec<usize>,
 ) {
@@ -344,10 +354,11 @@ fn two_choices(
     by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(placement, cands[i].id)));
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
-    let pick = match top[..] {
-        [a, b] if pressure[a] - pressure[b] > margin => Some(b),
-        [a, ..] => Some(a),
-        [] => by_hash
+    let pick = match (top.as_slice(), choose) {
+        (&[a, b], Choose::Ranked) => order.iter().copied().find(|&i| i == a || i == b),
+        (&[a, b], Choose::Margin(m)) if pressure[a] - pressure[b] > m => Some(b),
+        (&[a, ..], _) => Some(a),
+        ([], _) => by_hash
             .iter()
             .skip(2)
             .copied()
@@ -358,6 +369,18 @@ fn two_choices(
         order.retain(|&i| i != pick);
         order.insert(0, pick);
     }
+}
+
+/// How `two_choices` picks between two rendezvous candidates within the
+/// load bound.
+#[derive(Debug, Clone, Copy)]
+enum Choose {
+    /// The second only when the first's pressure exceeds it by more than
+    /// this: instances that see the same content without a token agree.
+    Margin(f64),
+    /// Whichever this instance's ranking puts first: the session's later
+    /// turns carry a token that names it (`clients_echo`).
+    Ranked,
 }
 
 /// Highest-random-weight hashing: each (key, replica) pair gets a weight,
@@ -384,6 +407,7 @@ mod tests {
             bounded_load_slack: 64,
             trunk_min_new_blocks: 16,
             gateways: 1,
+            clients_echo: false,
         }
     }
 
@@ -541,6 +565,37 @@ mod tests {
         c[by_hash[0]].load.work = 700;
         c[by_hash[1]].load = Load::default();
         assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[0]);
+    }
+
+    #[test]
+    fn echoing_clients_let_new_sessions_balance_between_their_two_candidates() {
+        let mut p = params();
+        p.gateways = 3;
+        let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
+        let key = 4242;
+        let mut by_hash: Vec<usize> = (0..4).collect();
+        by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, c[i].id)));
+        // The first candidate runs two turns (within the bound) and took
+        // two sessions lately; the second took one; the others none.
+        c[by_hash[0]].load = Load {
+            requests: 2,
+            work: 100,
+            branches: 2,
+            ..Load::default()
+        };
+        c[by_hash[1]].load.branches = 1;
+        // A new 600-block conversation: without echoing clients it stays
+        // where an instance without a token would put it.
+        assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[0]);
+        // With them, this instance's ranking picks between the two, and
+        // never a third replica (no more than two copies of the content).
+        p.clients_echo = true;
+        let r = rank(&c, 600, key, &p);
+        assert_eq!((r.order[0], r.reason), (by_hash[1], Reason::NewPrefix));
+        // With one gateway the option changes nothing: the least busy wins.
+        p.gateways = 1;
+        let best = rank(&c, 600, key, &p).order[0];
+        assert!(best == by_hash[2] || best == by_hash[3], "{best}");
     }
 
     #[test]

@@ -23,8 +23,9 @@ def doc(group: int) -> str:
 
 
 @contextlib.contextmanager
-def gateways(pool, n=3, key=KEY):
-    plugin = {"gateways": n, "debug_header": True, "affinity": {"key": key}}
+def gateways(pool, n=3, key=KEY, clients_echo=False):
+    affinity = {"key": key, "clients_echo": clients_echo}
+    plugin = {"gateways": n, "debug_header": True, "affinity": affinity}
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(filter_envoy(pool, plugin, concurrency=1)) for _ in range(n)]
 
@@ -71,6 +72,31 @@ def test_session_affinity_survives_a_hop_between_instances():
         assert b.stat("prefix_router.decision.affinity") == 1
         # The upstream never sees the token.
         assert all(AFFINITY not in r["headers"] for be in bs for r in be.requests)
+
+
+def test_with_echoing_clients_sessions_keep_their_replica_across_instances():
+    # `clients_echo`: a new session may go to either of its two rendezvous
+    # candidates; its later turns, each to a random instance, carry the
+    # token and follow it.
+    rng = random.Random(11)
+    with backends(4) as bs, gateways([b.addr for b in bs], clients_echo=True) as gws:
+        served = defaultdict(Counter)
+        tokens = {}
+        for turn in range(1, 5):
+            for s in range(12):
+                prompt = doc(100 + s) + "".join(f" Turn {t}?" for t in range(1, turn + 1))
+                extra = [(AFFINITY, tokens[s])] if s in tokens else []
+                status, headers, _ = request(
+                    rng.choice(gws).port, body=completion(prompt), headers=extra
+                )
+                assert status == 200
+                served[s][headers["x-served-by"]] += 1
+                tokens[s] = headers[AFFINITY]
+        for s, c in served.items():
+            assert len(c) == 1, (s, c)
+        assert len(Counter(next(iter(c)) for c in served.values())) >= 3
+        assert sum(gw.stat("prefix_router.decision.affinity") for gw in gws) == 12 * 3
+        assert sum(gw.stat("prefix_router.affinity.rejected") for gw in gws) == 0
 
 
 def test_forged_and_foreign_tokens_are_ignored_and_counted():
