@@ -350,8 +350,7 @@ fn two_choices(
     placement: u64,
     order: &mut Vec<usize>,
 ) {
-    let mut by_hash: Vec<usize> = (0..cands.len()).collect();
-    by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(placement, cands[i].id)));
+    let by_hash = rendezvous_order(cands, placement);
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
     let pick = match (top.as_slice(), choose) {
@@ -381,6 +380,13 @@ enum Choose {
     /// Whichever this instance's ranking puts first: the session's later
     /// turns carry a token that names it (`clients_echo`).
     Ranked,
+}
+
+/// Candidate indices by their rendezvous weight for `key`, highest first.
+fn rendezvous_order(cands: &[Candidate], key: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..cands.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, cands[i].id)));
+    order
 }
 
 /// Highest-random-weight hashing: each (key, replica) pair gets a weight,
@@ -546,8 +552,7 @@ mod tests {
         p.gateways = 2;
         let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
         let key = 99;
-        let mut by_hash: Vec<usize> = (0..4).collect();
-        by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, c[i].id)));
+        let by_hash = rendezvous_order(&c, key);
         // Both rendezvous candidates far over the bound.
         for &i in &by_hash[..2] {
             c[i].load = Load {
@@ -573,8 +578,7 @@ mod tests {
         p.gateways = 3;
         let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
         let key = 4242;
-        let mut by_hash: Vec<usize> = (0..4).collect();
-        by_hash.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, c[i].id)));
+        let by_hash = rendezvous_order(&c, key);
         // The first candidate runs two turns (within the bound) and took
         // two sessions lately; the second took one; the others none.
         c[by_hash[0]].load = Load {
