@@ -273,14 +273,13 @@ pub fn rank_below(
                     + c.lora.cost(w.lora)
             })
             .collect();
-        // Leaving the agreed replica costs another instance's copy of the
-        // new content: worth it only for a bigger load difference.
-        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
-        let margin = band.max(p.weights.prefix * new_blocks);
         let choose = if p.clients_echo {
             Choose::Ranked
         } else {
-            Choose::Margin(margin)
+            // Leaving the agreed replica costs another instance's copy of
+            // the new content: worth it only for a bigger load difference.
+            let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+            Choose::Margin(band.max(p.weights.prefix * new_blocks))
         };
         two_choices(cands, &pressure, &keeps, choose, placement, &mut order);
     }
@@ -334,10 +333,10 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 /// new content goes to its first rendezvous candidate on the placement
 /// key, or to the second when the first is busier by more than `margin`
 /// (load, queue, KV; at least what a second copy of the content would
-/// cost), and further down the rendezvous order only when both
-/// are over the load bound (one request in flight never is: another
-/// instance's view of the same replica may hold nothing). Every instance computes the same two
-/// candidates from the content and the replica set, so the same new
+/// cost), and further down the rendezvous order only when both are over
+/// the load bound (one request in flight never is: another instance's view
+/// of the same replica may hold nothing). Every instance computes the same
+/// two candidates from the content and the replica set, so the same new
 /// content lands on at most two replicas however many instances see it,
 /// on one when loads are near even, and the choice still balances load
 /// ("power of two choices"). `order` keeps the cost order behind the pick
