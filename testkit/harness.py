@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -60,10 +61,40 @@ def envoy_version() -> str:
     return m.group(1) if m else "unknown"
 
 
+# Ports handed out by free_port() in this process.
+_ISSUED: set[int] = set()
+
+
+def _ephemeral_range() -> range:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(lo), int(hi) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing is bound to, never handed out twice in this
+    process. It is drawn outside the kernel's ephemeral range: a port from
+    `bind(0)` is free only until the probe socket closes, and the kernel
+    hands the same ports to later `bind(0)` probes and to outgoing
+    connections (Envoy's own upstream connections, the tests' clients), so
+    two listeners of one Envoy could get the same port and Envoy would exit
+    at start-up."""
+    ephemeral = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(10_000):
+        port = rng.randrange(10_000, 65_536)
+        if port in ephemeral or port in _ISSUED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ISSUED.add(port)
+        return port
+    raise RuntimeError("no free loopback port outside the ephemeral range")
 
 
 # --------------------------------------------------------------------------
@@ -301,12 +332,22 @@ class Envoy:
         ]
         self.dir = tempfile.TemporaryDirectory(prefix="prefix-router-e2e-")
         self.log_path = Path(self.dir.name) / "envoy.log"
+        self.stderr_path = Path(self.dir.name) / "envoy.stderr"
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
         cfg_path = Path(self.dir.name) / "envoy.yaml"
         cfg_path.write_text(yaml.safe_dump(self.config))
-        self.proc = subprocess.Popen(
+        # What Envoy prints before its log file is open (a bad flag, a crash
+        # at start-up) goes to stderr; failures quote it.
+        with self.stderr_path.open("wb") as stderr:
+            self.proc = self._spawn(cfg_path, stderr)
+        if self.expect_start:
+            self._wait_ready()
+        return self
+
+    def _spawn(self, cfg_path: Path, stderr) -> subprocess.Popen:
+        return subprocess.Popen(
             [
                 envoy_bin(),
                 "-c",
@@ -320,18 +361,17 @@ class Envoy:
                 str(self.log_path),
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=stderr,
             cwd=ROOT,
         )
-        if self.expect_start:
-            self._wait_ready()
-        return self
 
     def _wait_ready(self, timeout: float = 30.0):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"envoy exited {self.proc.returncode}:\n{self.log()[-4000:]}{self.stderr()}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
                     if r.status == 200:
@@ -363,6 +403,14 @@ class Envoy:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def stderr(self) -> str:
+        """The tail of Envoy's stderr, labelled, or "" when it is empty."""
+        try:
+            text = self.stderr_path.read_text(errors="replace").strip()
+        except OSError:
+            return ""
+        return f"\n-- stderr:\n{text[-2000:]}" if text else ""
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges from the admin endpoint, by name."""
