@@ -268,11 +268,14 @@ pub struct Affinity {
     pub max_age_s: u64,
     /// Every client that continues a session sends the token back (an
     /// agent framework or SDK you control). With several gateways, new
-    /// content then goes to whichever of its two rendezvous candidates
-    /// this instance's ranking prefers (load, recent placements), since a
-    /// session's later turns find their replica by the token; without it,
-    /// new content stays on its first candidate unless that is much
-    /// busier, so that an instance without the token agrees.
+    /// content is then placed by this instance's ranking as with one
+    /// gateway (load, recent placements, other instances' requests seen
+    /// in the scrapes), since a session's later turns find their replica
+    /// by the token; without it, new content stays on its first
+    /// rendezvous candidate unless that is much busier, so that an
+    /// instance without the token agrees. Content that clients without a
+    /// token share (documents asked about by many users) may then be
+    /// copied once per instance.
     pub clients_echo: bool,
 }
 

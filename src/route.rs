@@ -393,6 +393,7 @@ impl Router {
                     matched: matches.get(id),
                     load: loads.get(&id).copied().unwrap_or_default(),
                     waiting: row.map(|r| r.waiting).unwrap_or(0.0),
+                    running: row.map(|r| r.running).unwrap_or(0.0),
                     kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
                     lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
                     affinity: meta.affinity == Some(id),

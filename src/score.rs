@@ -24,8 +24,10 @@ pub struct Candidate {
     pub matched: u32,
     /// In-flight work through this Envoy (instant).
     pub load: Load,
-    /// Last scraped queue depth and KV usage (0 when unknown).
+    /// Last scraped queue depth, running requests and KV usage (0 when
+    /// unknown).
     pub waiting: f32,
+    pub running: f32,
     pub kv_usage: f32,
     pub lora: LoraFit,
     /// The client's verified affinity token names this replica.
@@ -106,9 +108,9 @@ pub struct ScoreParams {
     /// 1, new content is placed by `two_choices` so that they agree.
     pub gateways: u32,
     /// Clients send the affinity token back on a session's later turns
-    /// (`affinity.clients_echo`): with many gateways, new content may
-    /// then go to either of its two rendezvous candidates by this
-    /// instance's ranking, not only to the first unless it is much busier.
+    /// (`affinity.clients_echo`): with many gateways, new content is then
+    /// placed by this instance's ranking as with one gateway, not where
+    /// every instance would put it.
     pub clients_echo: bool,
 }
 
@@ -246,7 +248,8 @@ pub fn rank_below(
                 if !(tie_a && tie_b) {
                     costs[a].total_cmp(&costs[b])
                 } else if fresh {
-                    (la.branches, la.placed).cmp(&(lb.branches, lb.placed))
+                    let (oa, ob) = (others(&cands[a], p), others(&cands[b], p));
+                    (la.branches + oa, la.placed).cmp(&(lb.branches + ob, lb.placed))
                 } else {
                     std::cmp::Ordering::Equal
                 }
@@ -259,7 +262,16 @@ pub fn rank_below(
         Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
         r => r,
     };
-    if p.gateways > 1 && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+    // With several gateways, new content goes where any instance would
+    // put it (`two_choices`), since a later request for it may reach
+    // another instance without a token. Clients that echo the affinity
+    // token (`clients_echo`) find their session by it, so new content is
+    // placed as with one gateway, counting the other instances' sessions
+    // through the scraped counts (`others`). Restricting that to the two
+    // rendezvous candidates was tried: multi-turn, 3 instances, share
+    // 1.45 against 1.09.
+    let agree = p.gateways > 1 && !p.clients_echo;
+    if agree && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
         // Only what differs between replicas for any new content: load,
         // queue, KV and LoRA (not the instance-local placement history).
         let w = &p.weights;
@@ -273,15 +285,11 @@ pub fn rank_below(
                     + c.lora.cost(w.lora)
             })
             .collect();
-        let choose = if p.clients_echo {
-            Choose::Ranked
-        } else {
-            // Leaving the agreed replica costs another instance's copy of
-            // the new content: worth it only for a bigger load difference.
-            let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
-            Choose::Margin(band.max(p.weights.prefix * new_blocks))
-        };
-        two_choices(cands, &pressure, &keeps, choose, placement, &mut order);
+        // Leaving the agreed replica costs another instance's copy of the
+        // new content: worth it only for a bigger load difference.
+        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+        let margin = band.max(p.weights.prefix * new_blocks);
+        two_choices(cands, &pressure, &keeps, margin, placement, &mut order);
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
@@ -296,6 +304,23 @@ pub fn rank_below(
         costs,
         reason,
     }
+}
+
+/// Requests on a replica that other gateway instances sent: the scraped
+/// running and queued requests beyond this instance's own in flight. With
+/// one gateway, 0. New content is placed where the fewest new sessions went
+/// lately; with several instances each knows only its own placements, and
+/// the others' show up here within a scrape (a new session's first turn is
+/// a cold prefill, running for a while), which is what keeps three
+/// instances that each spread their own sessions from stacking them on the
+/// same replicas.
+fn others(c: &Candidate, p: &ScoreParams) -> u32 {
+    if p.gateways <= 1 {
+        return 0;
+    }
+    // `as` saturates (NaN to 0): the scraped values are already sanitised.
+    let scraped = (c.running.max(0.0) + c.waiting.max(0.0)).round() as u32;
+    scraped.saturating_sub(c.load.requests)
 }
 
 /// New content goes preferably where less new content went lately
@@ -345,18 +370,17 @@ fn two_choices(
     cands: &[Candidate],
     pressure: &[f64],
     keeps: &[bool],
-    choose: Choose,
+    margin: f64,
     placement: u64,
     order: &mut Vec<usize>,
 ) {
     let by_hash = rendezvous_order(cands, placement);
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
-    let pick = match (top.as_slice(), choose) {
-        (&[a, b], Choose::Ranked) => order.iter().copied().find(|&i| i == a || i == b),
-        (&[a, b], Choose::Margin(m)) if pressure[a] - pressure[b] > m => Some(b),
-        (&[a, ..], _) => Some(a),
-        ([], _) => by_hash
+    let pick = match top.as_slice() {
+        &[a, b] if pressure[a] - pressure[b] > margin => Some(b),
+        &[a, ..] => Some(a),
+        [] => by_hash
             .iter()
             .skip(2)
             .copied()
@@ -367,18 +391,6 @@ fn two_choices(
         order.retain(|&i| i != pick);
         order.insert(0, pick);
     }
-}
-
-/// How `two_choices` picks between two rendezvous candidates within the
-/// load bound.
-#[derive(Debug, Clone, Copy)]
-enum Choose {
-    /// The second only when the first's pressure exceeds it by more than
-    /// this: instances that see the same content without a token agree.
-    Margin(f64),
-    /// Whichever this instance's ranking puts first: the session's later
-    /// turns carry a token that names it (`clients_echo`).
-    Ranked,
 }
 
 /// Candidate indices by their rendezvous weight for `key`, highest first.
@@ -426,6 +438,7 @@ mod tests {
                 ..Load::default()
             },
             waiting: 0.0,
+            running: 0.0,
             kv_usage: 0.0,
             lora: LoraFit::NotApplicable,
             affinity: false,
@@ -572,33 +585,40 @@ mod tests {
     }
 
     #[test]
-    fn echoing_clients_let_new_sessions_balance_between_their_two_candidates() {
+    fn echoing_clients_let_new_sessions_go_where_the_fewest_went_on_any_instance() {
         let mut p = params();
         p.gateways = 3;
         let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
         let key = 4242;
         let by_hash = rendezvous_order(&c, key);
-        // The first candidate runs two turns (within the bound) and took
-        // two sessions lately; the second took one; the others none.
-        c[by_hash[0]].load = Load {
-            requests: 2,
-            work: 100,
-            branches: 2,
-            ..Load::default()
-        };
-        c[by_hash[1]].load.branches = 1;
+        // This instance placed a session on the first candidate lately;
+        // other instances' first turns run on the second (two) and the
+        // third (one), seen in the scraped running counts.
+        c[by_hash[0]].load.branches = 1;
+        c[by_hash[1]].running = 2.0;
+        c[by_hash[2]].running = 1.0;
         // A new 600-block conversation: without echoing clients it stays
         // where an instance without a token would put it.
         assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[0]);
-        // With them, this instance's ranking picks between the two, and
-        // never a third replica (no more than two copies of the content).
+        // With them it goes where the fewest sessions went, counting the
+        // other instances' (any replica, not only the two candidates).
         p.clients_echo = true;
         let r = rank(&c, 600, key, &p);
-        assert_eq!((r.order[0], r.reason), (by_hash[1], Reason::NewPrefix));
-        // With one gateway the option changes nothing: the least busy wins.
+        assert_eq!((r.order[0], r.reason), (by_hash[3], Reason::NewPrefix));
+        // Scraped requests that are this instance's own in-flight ones
+        // are not counted twice.
+        c[by_hash[3]].running = 2.0;
+        c[by_hash[3]].load.requests = 2;
+        c[by_hash[3]].load.work = 20;
+        assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[3]);
+        // One more scraped request there ties it with the first and third
+        // (one session each): rendezvous then picks the first.
+        c[by_hash[3]].running = 3.0;
+        assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[0]);
+        // With one gateway scraped counts are no sessions: the replicas
+        // without a recent placement tie, and rendezvous picks the second.
         p.gateways = 1;
-        let best = rank(&c, 600, key, &p).order[0];
-        assert!(best == by_hash[2] || best == by_hash[3], "{best}");
+        assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[1]);
     }
 
     #[test]
