@@ -249,7 +249,11 @@ pub fn rank_below(
                     costs[a].total_cmp(&costs[b])
                 } else if fresh {
                     let (oa, ob) = (others(&cands[a], p), others(&cands[b], p));
-                    (la.branches + oa, la.placed).cmp(&(lb.branches + ob, lb.placed))
+                    let (ka, kb) = (
+                        la.branches.saturating_add(oa),
+                        lb.branches.saturating_add(ob),
+                    );
+                    (ka, la.placed).cmp(&(kb, lb.placed))
                 } else {
                     std::cmp::Ordering::Equal
                 }
@@ -619,6 +623,27 @@ mod tests {
         // without a recent placement tie, and rendezvous picks the second.
         p.gateways = 1;
         assert_eq!(rank(&c, 600, key, &p).order[0], by_hash[1]);
+    }
+
+    #[test]
+    fn absurd_scraped_counts_and_histories_still_give_an_order() {
+        let mut p = params();
+        p.gateways = 3;
+        p.clients_echo = true;
+        let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
+        c[0].running = f32::INFINITY;
+        c[0].load.branches = u32::MAX;
+        c[1].running = f32::NAN;
+        c[1].waiting = -5.0;
+        c[1].kv_usage = f32::NAN;
+        c[1].load.branches = 1;
+        c[2].running = 1e30;
+        c[2].load.placed = u32::MAX;
+        let mut order = rank(&c, 600, 7, &p).order;
+        order.sort_unstable();
+        assert_eq!(order, vec![0, 1, 2, 3]);
+        // The one replica with nothing scraped and nothing placed wins.
+        assert_eq!(rank(&c, 600, 7, &p).order[0], 3);
     }
 
     #[test]
