@@ -188,13 +188,14 @@ pub fn rank_below(
     // loaded replica is no difference (one agent turn in flight says
     // little about the replica's next minute), and near-ties go to the
     // replica that took the fewest new prefixes or branches lately,
-    // whatever their size, then to rendezvous. In the cost, the spread
-    // term is scaled by this request's new blocks: for an agent's task a
-    // few dozen, too little to tell a replica running two sessions from an
-    // idle one (agentic: 1-3 sessions per replica, share 1.5-1.7). A tie
-    // band as wide as the new content's prefill was tried: it sent first
-    // turns to busier replicas (multi-turn TTFT p95 +13%, long-preamble
-    // +15-25%).
+    // whatever their size (with several gateways, plus the requests the
+    // other instances sent there: `others`), then to rendezvous. In the
+    // cost, the spread term is scaled by this request's new blocks: for an
+    // agent's task a few dozen, too little to tell a replica running two
+    // sessions from an idle one (agentic: 1-3 sessions per replica, share
+    // 1.5-1.7). A tie band as wide as the new content's prefill was tried:
+    // it sent first turns to busier replicas (multi-turn TTFT p95 +13%,
+    // long-preamble +15-25%).
     let fresh = blocks > 0 && cands.iter().all(|c| c.matched <= trunk.min(blocks));
     let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
     // A replica keeps the credit for what it holds while under the bound.
