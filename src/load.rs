@@ -186,8 +186,8 @@ impl LoadBoard {
         let halvings = now_ms.saturating_sub(self.last_decay_ms) / PLACED_HALF_LIFE_MS;
         if halvings > 0 {
             self.last_decay_ms += halvings * PLACED_HALF_LIFE_MS;
+            let halve = |n: u32| n.checked_shr(halvings.min(31) as u32).unwrap_or(0);
             for l in self.local.values_mut() {
-                let halve = |n: u32| n.checked_shr(halvings.min(31) as u32).unwrap_or(0);
                 l.placed = halve(l.placed);
                 l.branches = halve(l.branches);
             }

@@ -238,25 +238,27 @@ pub fn rank_below(
     // more often) was tried: it cost the even spread of groups over
     // replicas and didn't measurably help two instances' hit rate.
     let band = p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON);
+    // For new content, near-ties go to the fewest recent sessions, then
+    // the least recent new content: computed once, not per comparison.
+    let recent: Vec<(u32, u32)> = if fresh {
+        cands
+            .iter()
+            .map(|c| (c.load.branches.saturating_add(others(c, p)), c.load.placed))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by(|&a, &b| {
         let tie_a = costs[a] - best < band;
         let tie_b = costs[b] - best < band;
-        let (la, lb) = (&cands[a].load, &cands[b].load);
         tie_b
             .cmp(&tie_a)
             .then_with(|| {
                 if !(tie_a && tie_b) {
                     costs[a].total_cmp(&costs[b])
-                } else if fresh {
-                    let (oa, ob) = (others(&cands[a], p), others(&cands[b], p));
-                    let (ka, kb) = (
-                        la.branches.saturating_add(oa),
-                        lb.branches.saturating_add(ob),
-                    );
-                    (ka, la.placed).cmp(&(kb, lb.placed))
                 } else {
-                    std::cmp::Ordering::Equal
+                    recent.get(a).cmp(&recent.get(b))
                 }
             })
             .then_with(|| {
