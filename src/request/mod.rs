@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 
 mod shapes;
+use shapes::Text;
 use thiserror::Error;
 
 /// Longest model name kept; longer names are cut (they only seed hashes).
@@ -49,14 +50,14 @@ struct Body<'a> {
     #[serde(default)]
     functions: Option<serde_json::Value>,
     #[serde(borrow, default)]
-    instructions: Option<Cow<'a, str>>,
+    instructions: Option<Text<'a>>,
     #[serde(borrow, default)]
     input: Option<InputField<'a>>,
 }
 
 enum PromptField<'a> {
-    Text(Cow<'a, str>),
-    Texts(Vec<Cow<'a, str>>),
+    Text(Text<'a>),
+    Texts(Vec<Text<'a>>),
     Tokens(Vec<i64>),
     TokenBatch(Vec<Vec<i64>>),
 }
@@ -72,7 +73,7 @@ struct Message<'a> {
 }
 
 enum Content<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Parts(Vec<Part<'a>>),
 }
 
@@ -81,11 +82,11 @@ enum Content<'a> {
 #[derive(Deserialize)]
 struct Part<'a> {
     #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+    text: Option<Text<'a>>,
 }
 
 enum InputField<'a> {
-    Text(Cow<'a, str>),
+    Text(Text<'a>),
     Items(Vec<InputItem<'a>>),
 }
 
@@ -98,9 +99,9 @@ struct InputItem<'a> {
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
     #[serde(borrow, default)]
-    arguments: Option<Cow<'a, str>>,
+    arguments: Option<Text<'a>>,
     #[serde(borrow, default)]
-    output: Option<Cow<'a, str>>,
+    output: Option<Text<'a>>,
 }
 
 /// Where rendered prompt bytes go: a buffer (`extract`), or straight into
@@ -174,16 +175,18 @@ pub fn extract_into<S: Sink>(
     } else if b.input.is_some() || b.instructions.is_some() {
         render_tools(&mut out, b.tools.as_ref(), None);
         if let Some(i) = &b.instructions {
-            out.message("instructions", Some(&Content::Text(Cow::Borrowed(i))), None);
+            out.message("instructions", Some(&Content::Text(i.borrowed())), None);
         }
         match &b.input {
-            Some(InputField::Text(t)) => out.message("user", Some(&Content::Text(t.clone())), None),
+            Some(InputField::Text(t)) => {
+                out.message("user", Some(&Content::Text(t.borrowed())), None)
+            }
             Some(InputField::Items(items)) => {
                 for it in items {
                     let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
                     out.message(role, it.content.as_ref(), None);
                     for extra in [&it.arguments, &it.output].into_iter().flatten() {
-                        out.message(role, Some(&Content::Text(extra.clone())), None);
+                        out.message(role, Some(&Content::Text(extra.borrowed())), None);
                     }
                 }
             }
@@ -197,13 +200,13 @@ pub fn extract_into<S: Sink>(
 
 fn render_prompt<S: Sink>(out: &mut Render<S>, p: &PromptField) {
     match p {
-        PromptField::Text(t) => out.push(t.as_bytes()),
+        PromptField::Text(t) => out.push(&t.0),
         PromptField::Texts(ts) => {
             for (i, t) in ts.iter().enumerate() {
                 if i > 0 {
                     out.push(b"\n");
                 }
-                out.push(t.as_bytes());
+                out.push(&t.0);
             }
         }
         PromptField::Tokens(ids) => out.tokens(ids),
@@ -230,7 +233,11 @@ fn render_tools<S: Sink>(
         // serde_json's map is ordered by key, so the same tools in any key
         // order render to the same bytes.
         let text = v.to_string();
-        out.message("tools", Some(&Content::Text(Cow::Owned(text))), None);
+        out.message(
+            "tools",
+            Some(&Content::Text(Text(Cow::Owned(text.into_bytes())))),
+            None,
+        );
     }
 }
 
@@ -292,10 +299,10 @@ impl<S: Sink> Render<S> {
         self.push(role.len().to_string().as_bytes());
         self.push(b"\x1f");
         match content {
-            Some(Content::Text(t)) => self.push(t.as_bytes()),
+            Some(Content::Text(t)) => self.push(&t.0),
             Some(Content::Parts(parts)) => {
-                for t in parts.iter().filter_map(|p| p.text.as_deref()) {
-                    self.push(t.as_bytes());
+                for t in parts.iter().filter_map(|p| p.text.as_ref()) {
+                    self.push(&t.0);
                 }
             }
             None => {}
@@ -308,11 +315,11 @@ impl<S: Sink> Render<S> {
 
 fn content_len(c: Option<&Content>) -> usize {
     match c {
-        Some(Content::Text(t)) => t.len(),
+        Some(Content::Text(t)) => t.0.len(),
         Some(Content::Parts(parts)) => parts
             .iter()
-            .filter_map(|p| p.text.as_deref())
-            .map(str::len)
+            .filter_map(|p| p.text.as_ref())
+            .map(|t| t.0.len())
             .sum(),
         None => 0,
     }
@@ -355,6 +362,30 @@ mod tests {
         let p = extract(br#"{"model":"llama","prompt":"x","cache_salt":"s1"}"#, 10).unwrap();
         assert_eq!(p.model, "llama");
         assert_eq!(p.cache_salt.as_deref(), Some("s1"));
+    }
+
+    #[test]
+    fn prompt_text_is_read_as_bytes_not_checked_for_utf8() {
+        // Invalid UTF-8 and a lone surrogate are the model server's to
+        // reject; the filter routes them by their bytes, not as no prompt.
+        let mut body = br#"{"prompt":"a"#.to_vec();
+        body.extend_from_slice(b"\xff\x01b\"}");
+        assert_eq!(extract(&body, 100).unwrap().text, b"a\xff\x01b");
+        assert_eq!(text(r#"{"prompt":"x\ud800"}"#), b"x\xed\xa0\x80");
+        // Every text field, escaped or verbatim, renders the same bytes.
+        let chat = |s: &str| {
+            text(&format!(
+                r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"{s}"}}]}}]}}"#
+            ))
+        };
+        assert_eq!(chat(r"a\nb\u00e9"), chat("a\nbé"));
+        assert_eq!(
+            text(r#"{"instructions":"s\ty","input":[{"type":"function_call","arguments":"{\"k\":1}"}]}"#),
+            "\x1einstructions\x1f12\x1fs\ty\x1f3\x1efunction_call\x1f13\x1f\x1f0\x1efunction_call\x1f13\x1f{\"k\":1}\x1f7"
+                .as_bytes()
+        );
+        // Names stay strings: a model name that is no string is an error.
+        assert!(extract(br#"{"model":5,"prompt":"x"}"#, 100).is_err());
     }
 
     #[test]
