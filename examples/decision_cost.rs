@@ -13,13 +13,16 @@ use prefix_router::request;
 use prefix_router::route::{Hashed, Meta, Router};
 use prefix_router::store::MemStore;
 
-fn body(bytes: usize) -> String {
-    // A document with line breaks, as real prompts have (escapes in JSON).
-    let doc: String = "The quick brown fox jumps over the lazy dog.\\n"
-        .chars()
-        .cycle()
-        .take(bytes)
-        .collect();
+/// A chat body with a `bytes`-long document: plain text, or with a line
+/// break (a JSON escape, unescaped into a copy) every 46 bytes, as prose
+/// and code have.
+fn body(bytes: usize, escaped: bool) -> String {
+    let line = if escaped {
+        "The quick brown fox jumps over the lazy dog.\\n"
+    } else {
+        "The quick brown fox jumps over the lazy dog. "
+    };
+    let doc: String = line.chars().cycle().take(bytes).collect();
     format!(
         r#"{{"model":"llama","messages":[{{"role":"system","content":"You answer from the document."}},{{"role":"user","content":"{doc}"}}],"stream":true}}"#
     )
@@ -43,11 +46,15 @@ fn main() {
     let r = Router::new(Config::parse(cfg.as_bytes()).expect("config"));
     let store = MemStore::new();
     println!(
-        "{:>9} {:>9} {:>9} {:>9} {:>9}",
-        "bytes", "json", "render", "hash", "decision"
+        "{:>9} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "bytes", "escapes", "json", "render", "hash", "decision"
     );
-    for size in [16 << 10, 256 << 10, 1 << 20] {
-        let b = body(size);
+    let sizes = [16 << 10, 256 << 10, 1 << 20];
+    for (escaped, size) in [false, true]
+        .into_iter()
+        .flat_map(|e| sizes.map(|s| (e, s)))
+    {
+        let b = body(size, escaped);
         let runs = if size > 300_000 { 60 } else { 200 };
         let json = median_us(runs, || {
             std::hint::black_box(
@@ -69,6 +76,7 @@ fn main() {
             let c = r.decide(&store, &h, Meta::default(), 1000).unwrap();
             std::hint::black_box(r.header_value(&c));
         });
-        println!("{size:>9} {json:>9.1} {render:>9.1} {hash:>9.1} {decision:>9.1}");
+        let escapes = if escaped { "yes" } else { "no" };
+        println!("{size:>9} {escapes:>8} {json:>9.1} {render:>9.1} {hash:>9.1} {decision:>9.1}");
     }
 }
