@@ -63,10 +63,19 @@ def test_replica_dies_and_returns_under_steady_load(mode):
                 victim.stop()
                 killed = time.time() - t0
                 # Exclusion: the routed counter freezes within 3 intervals.
-                time.sleep(3 * INTERVAL_MS / 1000 + 0.25)
-                frozen = routed()
-                time.sleep(back_at - (time.time() - t0))
-                excluded_ok = routed() == frozen
+                # Sampled until the return, so that a failure says when the
+                # dead replica was last chosen.
+                freeze_at = killed + 3 * INTERVAL_MS / 1000 + 0.25
+                moves: list[tuple[float, float, int]] = []  # (after, by, requests)
+                last, seen = routed(), time.time() - t0
+                while seen < back_at:
+                    time.sleep(0.05)
+                    now, at = routed(), time.time() - t0
+                    if now != last:
+                        moves.append((round(seen, 2), round(at, 2), now - last))
+                        last = now
+                    seen = at
+                excluded_ok = not [m for m in moves if m[0] >= freeze_at]
                 victim = Backend(port=port, metrics=vllm_metrics())
                 victim.__enter__()
                 returned = time.time() - t0
@@ -82,7 +91,7 @@ def test_replica_dies_and_returns_under_steady_load(mode):
                     f" back at {returned:.2f}s, requests to it after return: {after_return}"
                 )
                 assert len(results) > 200
-                assert excluded_ok, "dead replica still chosen 3 intervals after it died"
+                assert excluded_ok, f"dead replica still chosen 3 intervals after it died (killed at {killed:.2f}s; (after, by, requests): {moves})"
                 assert after_return > 0, "replica got no traffic after it came back"
                 if mode == "override_host":
                     assert ok >= 0.999, failed
