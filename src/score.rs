@@ -174,8 +174,12 @@ pub fn rank_below(
     // only. Scaling them up by `gateways` was tried: it turned one local
     // cold prefill into a load over the bound and voided the prefix credit
     // of every group on that replica (shared-prefix, 3 instances: hit rate
-    // 85-88% scaled, 95% not). Unscaled they count as the sample they are;
-    // the scraped queue and KV usage are what every instance sees alike.
+    // 85-88% scaled, 95% not). Dividing only the bound's slack by it, tried
+    // again once one request in flight no longer counted as an overload,
+    // cost the same way elsewhere: conversations' later turns lost their
+    // credit and moved (multi-turn, 3 instances: hit rate 81.9% against
+    // 83.9%). Unscaled they count as the sample they are; the scraped
+    // queue and KV usage are what every instance sees alike.
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
     let mean = loads.iter().sum::<f64>() / cands.len() as f64;
     let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
