@@ -2,13 +2,17 @@
 
 Same instant backend (`overhead echo`), same chat bodies (16 KiB and 256 KiB,
 64 distinct documents), closed loop at concurrency 1 and 16, side by side in
-one run: direct to the backend, Envoy without the filter, Envoy with
-prefix-router, and sglang-router (`smg launch --policy cache_aware`) when
-installed. Envoy runs with --concurrency 2. Each cell is the median of
-`--reps` runs; proxy CPU comes from /proc/<pid>/stat (user + system, all
-threads) over the run.
+one run: direct to the backend, Envoy without the filter, Envoy with the
+body floor (examples/body_floor.rs: a wasm filter that holds the request,
+reads its body once and writes the destination header, deciding nothing),
+Envoy with prefix-router, and sglang-router (`smg launch --policy
+cache_aware`) when installed. Envoy runs with --concurrency 2. All proxies
+run at once and their reps take turns, so a slow minute lands on all of
+them; each cell is the median of `--reps` runs; proxy CPU comes from
+/proc/<pid>/stat (user + system, all threads) over the run.
 
     scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144]
+        [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...]
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ import orchestrate  # noqa: E402
 from testkit import harness  # noqa: E402
 
 TOOL = ROOT / "target" / "release" / "overhead"
+# What any body-routing wasm filter pays (examples/body_floor.rs).
+FLOOR = ROOT / "target" / "wasm32-wasip1" / "release" / "examples" / "body_floor.wasm"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -97,51 +103,57 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sizes", default="16384,262144")
     ap.add_argument("--concurrency", default="1,16")
-    ap.add_argument("--routers", default="direct,round-robin,prefix-router,sglang-router")
+    ap.add_argument("--routers", default="direct,round-robin,body-floor,prefix-router,sglang-router")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--wasm", type=Path, default=harness.WASM, help="the prefix-router module to measure")
     ap.add_argument("--before", type=Path, default=None,
                     help="another build, measured side by side as `prefix-router-before`")
+    ap.add_argument("--module", action="append", default=[], metavar="NAME=PATH",
+                    help="any other proxy-wasm module, loaded the same way and measured as NAME")
     a = ap.parse_args(argv)
     MODULES["prefix-router"] = a.wasm
+    MODULES["body-floor"] = FLOOR
+    extra = dict(m.split("=", 1) for m in a.module)
     if a.before:
-        MODULES["prefix-router-before"] = a.before
-        if "prefix-router-before" not in a.routers:
-            a.routers += ",prefix-router-before"
+        extra["prefix-router-before"] = a.before
+    for name, path in extra.items():
+        MODULES[name] = Path(path)
+        if name not in a.routers.split(","):
+            a.routers += f",{name}"
     sizes = [int(s) for s in a.sizes.split(",")]
     concs = [int(c) for c in a.concurrency.split(",")]
-    kinds = a.routers.split(",")
     results = []
-    with echo_backend() as backend:
-        for kind in kinds:
+    with echo_backend() as backend, contextlib.ExitStack() as stack:
+        # Every proxy stays up for the whole run and the reps take turns, so
+        # a slow minute on this machine lands on every router alike.
+        up = {}
+        for kind in a.routers.split(","):
             try:
-                ctx = proxy(kind, backend)
-                target, pid = ctx.__enter__()
+                up[kind] = stack.enter_context(proxy(kind, backend))
             except LookupError as e:
                 print(f"overhead: skipping {kind}: {e}", file=sys.stderr)
-                continue
-            try:
-                run_load(target, 4, sizes[0], 1.0)  # warm-up
-                for size in sizes:
-                    for conc in concs:
-                        reps = []
-                        for _ in range(a.reps):
-                            c0 = cpu_seconds(pid) if pid else 0.0
-                            r = run_load(target, conc, size, a.seconds)
-                            r["proxy_cpu_us_per_req"] = (
-                                (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
-                            )
-                            reps.append(r)
-                        med = {k: statistics.median(x[k] for x in reps)
-                               for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
-                        med.update(router=kind, size=size, concurrency=conc,
-                                   errors=sum(x["errors"] for x in reps), reps=len(reps))
-                        results.append(med)
-                        print(f"{kind:14} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
-                              f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
-                              f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
-            finally:
-                ctx.__exit__(None, None, None)
+        for target, _ in up.values():
+            run_load(target, 4, sizes[0], 1.0)  # warm-up
+        for size in sizes:
+            for conc in concs:
+                reps = {kind: [] for kind in up}
+                for _ in range(a.reps):
+                    for kind, (target, pid) in up.items():
+                        c0 = cpu_seconds(pid) if pid else 0.0
+                        r = run_load(target, conc, size, a.seconds)
+                        r["proxy_cpu_us_per_req"] = (
+                            (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
+                        )
+                        reps[kind].append(r)
+                for kind, rs in reps.items():
+                    med = {k: statistics.median(x[k] for x in rs)
+                           for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
+                    med.update(router=kind, size=size, concurrency=conc,
+                               errors=sum(x["errors"] for x in rs), reps=len(rs))
+                    results.append(med)
+                    print(f"{kind:14} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
+                          f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
+                          f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
     report = table(results)
     print(report)
     if a.out:
@@ -154,16 +166,19 @@ def main(argv=None) -> int:
 def table(results: list[dict]) -> str:
     by = {(r["router"], r["size"], r["concurrency"]): r for r in results}
     lines = [
-        "| router | body | conc | p50 µs | p99 µs | added p50 vs Envoy µs | req/s | proxy CPU µs/req | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| router | body | conc | p50 µs | p99 µs | added p50 vs Envoy µs | over body-floor µs | req/s "
+        "| proxy CPU µs/req | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         base = by.get(("round-robin", r["size"], r["concurrency"]))
         added = "" if not base or r["router"] in ("direct", "round-robin") else f"{r['p50_us'] - base['p50_us']:+.0f}"
+        floor = by.get(("body-floor", r["size"], r["concurrency"]))
+        over = f"{r['p50_us'] - floor['p50_us']:+.0f}" if floor and r["router"] in MODULES and r is not floor else ""
         cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
         lines.append(
             f"| {r['router']} | {r['size'] // 1024} KiB | {r['concurrency']} | {r['p50_us']:.0f} | "
-            f"{r['p99_us']:.0f} | {added} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
+            f"{r['p99_us']:.0f} | {added} | {over} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
         )
     return "\n".join(lines)
 
