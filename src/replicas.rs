@@ -315,6 +315,34 @@ fn decode_lease(buf: &[u8]) -> Option<(u64, u64)> {
     store::decode(LEASE_VERSION, buf, |r| Some((r.u64()?, r.u64()?)))
 }
 
+/// Whether `owner` still holds the lease (expired or not: nobody took it
+/// yet). A holder whose timer ran late can lose the lease without
+/// knowing, while its scrape answers are still arriving; it checks this
+/// before it writes the table, so a late round can't overwrite the new
+/// holder's (and re-admit a replica the new holder has seen fail).
+pub fn holds_lease<S: Store + ?Sized>(store: &S, owner: u64) -> bool {
+    store
+        .get(LEASE_KEY)
+        .0
+        .as_deref()
+        .and_then(decode_lease)
+        .is_some_and(|(o, _)| o == owner)
+}
+
+/// When the scraper's next round is due, given this tick's time and the
+/// round that was due: rounds keep their cadence (a tick that fires a
+/// little early, as timers do, doesn't push its round a whole period
+/// later), and a tick within `slack_ms` of the due time counts as on
+/// time. `None`: not due yet. Without the slack a round every interval
+/// became one every two now and then, which let the lease (two
+/// intervals) lapse while its holder was alive.
+pub fn next_round(now_ms: u64, due_ms: u64, interval_ms: u64, slack_ms: u64) -> Option<u64> {
+    if now_ms.saturating_add(slack_ms) < due_ms {
+        return None;
+    }
+    Some(now_ms.max(due_ms).saturating_add(interval_ms))
+}
+
 /// `owner` must not be 0: owner 0 is the free lease a first contact writes.
 pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_ms: u64) -> Lease {
     let Some((value, cas)) = get_existing(store, LEASE_KEY, &lease_record(0, 0)) else {
@@ -493,6 +521,9 @@ mod tests {
         assert_eq!(acquire_lease(&s, 2, 500, 300), Lease::TookOver);
         assert_eq!(acquire_lease(&s, 1, 510, 300), Lease::Other);
         assert_eq!(acquire_lease(&s, 2, 600, 300), Lease::Held);
+        // The old holder learns it lost the lease before writing.
+        assert!(!holds_lease(&s, 1));
+        assert!(holds_lease(&s, 2));
         // A lease in another layout (the unversioned one of before) reads
         // as absent: taken over, by compare-and-swap.
         let mut old = 2u64.to_le_bytes().to_vec();
@@ -500,6 +531,45 @@ mod tests {
         s.set(LEASE_KEY, &old, None).unwrap();
         assert_eq!(acquire_lease(&s, 1, 700, 300), Lease::TookOver);
         assert_eq!(acquire_lease(&s, 2, 710, 300), Lease::Other);
+    }
+
+    #[test]
+    fn nobody_holds_an_absent_or_unreadable_lease() {
+        let s = MemStore::new();
+        assert!(!holds_lease(&s, 1));
+        s.set(LEASE_KEY, b"garbage", None).unwrap();
+        assert!(!holds_lease(&s, 1));
+        // The free lease a first contact writes belongs to nobody we know.
+        s.set(LEASE_KEY, &lease_record(0, 0), None).unwrap();
+        assert!(!holds_lease(&s, 1));
+    }
+
+    #[test]
+    fn rounds_keep_their_cadence_through_early_and_late_ticks() {
+        // Interval 100, ticks every 100 with 50 of slack.
+        let round = |now, due| next_round(now, due, 100, 50);
+        // The first tick is always due.
+        assert_eq!(round(1_000, 0), Some(1_100));
+        // A tick 1 ms early is on time, and the next round stays on the grid.
+        assert_eq!(round(1_099, 1_100), Some(1_200));
+        // A tick well before the due time waits.
+        assert_eq!(round(1_040, 1_100), None);
+        // A late tick starts the next period from when it ran.
+        assert_eq!(round(1_180, 1_100), Some(1_280));
+        // Over a run of jittery ticks a round runs on every one of them.
+        let mut due = 0;
+        let mut rounds = 0;
+        for k in 0..100u64 {
+            let jitter = [0, 3, 0, 2, 1][(k % 5) as usize];
+            let now = 10_000 + k * 100 - jitter;
+            if let Some(next) = round(now, due) {
+                due = next;
+                rounds += 1;
+            }
+        }
+        assert_eq!(rounds, 100);
+        // No slack, as before: an early tick skips its round.
+        assert_eq!(next_round(1_099, 1_100, 100, 0), None);
     }
 
     /// A store where `rival` runs once, between our first read and our

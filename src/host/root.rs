@@ -83,7 +83,7 @@ impl RootContext for Root {
             tick = tick.min(d.interval_ms);
         }
         if router.config.scrape.is_some() || router.config.discovery.is_some() {
-            self.scraper = Some(Scraper::new(owner));
+            self.scraper = Some(Scraper::new(owner, tick));
         }
         let tick = u32::try_from(tick).unwrap_or(u32::MAX);
         if let Err(status) = abi::set_tick_period_ms(tick) {

@@ -56,6 +56,8 @@ enum Call {
 pub struct Scraper {
     owner: u64,
     next_ms: u64,
+    /// Half the timer's period: a tick that early still runs its round.
+    slack_ms: u64,
     next_discovery_ms: u64,
     /// Call token → what it fetches; one call per replica at a time, so a
     /// slow page never piles up calls.
@@ -79,13 +81,15 @@ pub struct Scraper {
 }
 
 impl Scraper {
-    pub fn new(owner: u64) -> Scraper {
+    /// `tick_ms`: the VM's timer period.
+    pub fn new(owner: u64, tick_ms: u64) -> Scraper {
         let g = |n: &str| Metric::define(&Envoy, MetricType::Gauge, &format!("prefix_router.{n}"));
         let c =
             |n: &str| Metric::define(&Envoy, MetricType::Counter, &format!("prefix_router.{n}"));
         Scraper {
             owner,
             next_ms: 0,
+            slack_ms: tick_ms / 2,
             next_discovery_ms: 0,
             pending: HashMap::new(),
             busy: HashSet::new(),
@@ -113,10 +117,10 @@ impl Scraper {
             (None, Some(d)) => d.interval_ms,
             (None, None) => return,
         };
-        if now_ms < self.next_ms {
+        let Some(next) = replicas::next_round(now_ms, self.next_ms, interval, self.slack_ms) else {
             return;
-        }
-        self.next_ms = now_ms + interval;
+        };
+        self.next_ms = next;
         // The lease outlives two missed renewals, so a new scraper takes
         // over within three intervals of the old one stopping.
         match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
@@ -316,6 +320,14 @@ impl Scraper {
     /// dropped (O(replicas) once per round, not per response).
     fn publish(&mut self, router: &Router) {
         if !self.dirty {
+            return;
+        }
+        if !replicas::holds_lease(&SharedData, self.owner) {
+            // Another VM took the lease while our timer ran late; these
+            // answers are a round behind its table. Left unchecked, they
+            // could re-admit a replica it has already seen fail.
+            self.table_loaded = false;
+            self.dirty = false;
             return;
         }
         let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
