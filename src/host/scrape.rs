@@ -281,8 +281,17 @@ impl Scraper {
                     }
                 }
                 if self.busy.is_empty() {
-                    // The round is in: publish now rather than a tick later.
-                    self.publish(router);
+                    // The round is in: publish now rather than a tick later,
+                    // unless another VM took the lease while our timer ran
+                    // late. These answers are then a round behind its
+                    // table, and could re-admit a replica it has seen fail.
+                    // (The tick publishes right after renewing the lease.)
+                    if replicas::holds_lease(&SharedData, self.owner) {
+                        self.publish(router);
+                    } else {
+                        self.table_loaded = false;
+                        self.dirty = false;
+                    }
                 }
             }
         }
@@ -320,14 +329,6 @@ impl Scraper {
     /// dropped (O(replicas) once per round, not per response).
     fn publish(&mut self, router: &Router) {
         if !self.dirty {
-            return;
-        }
-        if !replicas::holds_lease(&SharedData, self.owner) {
-            // Another VM took the lease while our timer ran late; these
-            // answers are a round behind its table. Left unchecked, they
-            // could re-admit a replica it has already seen fail.
-            self.table_loaded = false;
-            self.dirty = false;
             return;
         }
         let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();

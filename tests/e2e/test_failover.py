@@ -75,7 +75,7 @@ def test_replica_dies_and_returns_under_steady_load(mode):
                         moves.append((round(seen, 2), round(at, 2), now - last))
                         last = now
                     seen = at
-                excluded_ok = not [m for m in moves if m[0] >= freeze_at]
+                excluded_ok = not any(after >= freeze_at for after, _, _ in moves)
                 victim = Backend(port=port, metrics=vllm_metrics())
                 victim.__enter__()
                 returned = time.time() - t0
