@@ -170,6 +170,15 @@ impl LoadBoard {
         self.publish(store, now_ms);
     }
 
+    /// A session placed on `id` moved on (see `route::Choice::home`): it no
+    /// longer counts among `id`'s recent placements. Published with the
+    /// next `start`.
+    pub fn withdraw_branch(&mut self, id: ReplicaId) {
+        if let Some(l) = self.local.get_mut(&id) {
+            l.branches = l.branches.saturating_sub(1);
+        }
+    }
+
     pub fn finish<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
         if let Some(l) = self.local.get_mut(&id) {
             l.requests = l.requests.saturating_sub(1);

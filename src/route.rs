@@ -98,6 +98,30 @@ impl Hashed {
     }
 }
 
+/// A request whose deepest holder is ahead of every other replica by
+/// less than the new content it brings (an agent's first tool result,
+/// below its task, below a tool prompt every replica holds) finds no home
+/// yet: the session is still to be placed, and it is placed like new
+/// content below a trunk that reaches the lead's end (`score::rank_below`),
+/// by recent sessions and load, not by who is idle this instant. Left to
+/// the cost, a busy holder's few blocks of lead lost to any idle replica,
+/// and sessions piled up wherever the second turns found a gap (agentic,
+/// 4 replicas: 1-3 sessions each, share 1.24-1.53). Returns the depth
+/// every other replica holds (the placement key's) and the lead's end.
+fn thin_lead(cands: &[Candidate], blocks: u32, min_new: u32) -> Option<(u32, u32)> {
+    let mut held: Vec<u32> = cands.iter().map(|c| c.matched.min(blocks)).collect();
+    held.sort_unstable_by(|a, b| b.cmp(a));
+    let (&top, rest) = held.split_first()?;
+    let &shared = rest.first()?;
+    let new = blocks - top;
+    let thin = shared > 0
+        && rest.iter().all(|&h| h == shared)
+        && top > shared
+        && top - shared < new
+        && new >= min_new;
+    thin.then_some((shared, top))
+}
+
 /// What the router knows about a request besides its prefix.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Meta<'a> {
@@ -130,6 +154,10 @@ pub struct Choice {
     /// Work this request adds to its replica (removed when it ends).
     pub work: u64,
     pub matches: Matches,
+    /// The replica that took the session's earlier request, when this one
+    /// places the session anew (`thin_lead`): the session counts as one
+    /// placement, on whichever replica keeps it.
+    pub home: Option<ReplicaId>,
 }
 
 /// Why a decision went the way it did: built only on request
@@ -388,7 +416,7 @@ impl Router {
         let adapter = meta
             .model
             .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
-        let cands: Vec<Candidate> = eligible
+        let mut cands: Vec<Candidate> = eligible
             .iter()
             .zip(&rows)
             .map(|(&i, row)| {
@@ -406,15 +434,31 @@ impl Router {
             })
             .collect();
         let blocks = hashed.blocks();
-        let held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
+        let mut held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
         // New content below a shared trunk is placed like a new prefix.
-        let trunk = matches
+        let mut trunk = matches
             .branch
             .filter(|b| {
                 b.forks(hashed.checkpoints.get(b.at + 1))
                     && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
             })
             .map_or(0, |b| b.held);
+        let mut home = None;
+        // With instances that must agree, a lead may be just what this one
+        // saw of a longer session: the index decides as for any prefix.
+        let thin = (!self.params.agree())
+            .then(|| thin_lead(&cands, blocks, self.params.trunk_min_new_blocks))
+            .flatten();
+        if let Some((shared, top)) = thin {
+            // Keyed where every replica's holding ends, as an instance that
+            // never saw the lead keys it.
+            (trunk, held) = (trunk.max(top), shared);
+            // The home's count of recent sessions includes this one.
+            if let Some(c) = cands.iter_mut().find(|c| c.matched.min(blocks) == top) {
+                c.load.branches = c.load.branches.saturating_sub(1);
+                home = Some(c.id);
+            }
+        }
         let ranked = score::rank_below(&cands, blocks, trunk, hashed.placement(held), &self.params);
         let held = ranked
             .order
@@ -448,6 +492,7 @@ impl Router {
             stamped: held.stamped,
             work: self.params.work_of(blocks, held.blocks),
             matches,
+            home,
         })
     }
 
@@ -534,7 +579,15 @@ impl Router {
         // out, only the trunk's first holder was charged for it and it got
         // a fraction of the documents that followed.
         let new_blocks = choice.blocks.saturating_sub(choice.matched);
-        let branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
+        let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
+        if let Some(home) = choice.home {
+            // A session placed anew counts once: where it stays, or where
+            // it moved to (and no longer where it was).
+            branch &= home != ep.id();
+            if branch {
+                board.withdraw_branch(home);
+            }
+        }
         board.start(store, ep.id(), choice.work, new_blocks, branch, now_ms);
         if hashed.is_empty() {
             return RecordStats::default();
@@ -668,6 +721,97 @@ mod tests {
                 (2..=4).contains(&n),
                 "replica {replica} has {n} documents: {homes:?}"
             );
+        }
+    }
+
+    /// An agent session's `turns`-th request: the 40 KB shared preamble,
+    /// its task (about 15 blocks), then a 6 KB tool result per turn.
+    fn agent(session: usize, turns: usize) -> String {
+        let preamble =
+            "You are a careful assistant. Tools: search(query), fetch(url). ".repeat(40_000 / 64);
+        let task = format!("Task {session}: make the build green. ").repeat(30);
+        let results: String = (0..turns)
+            .map(|t| format!("Result {session}.{t}: ").repeat(6_000 / 12))
+            .collect();
+        format!(r#"{{"model":"m","prompt":"{preamble}{task}{results}"}}"#)
+    }
+
+    #[test]
+    fn agent_sessions_spread_evenly_when_their_first_result_finds_home_busy() {
+        let r = router("");
+        let s = MemStore::new();
+        let mut board = LoadBoard::new(1, 10_000);
+        let id = |i: usize| r.endpoint(i).unwrap().id();
+        let run = |body: &str, board: &mut LoadBoard| {
+            let h = hashed(&r, body);
+            let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+            r.commit(&s, board, &c, &h, 1000);
+            board.finish(&s, id(c.order[0]), c.work, 1000);
+            c
+        };
+        // First turns: a task below the preamble, two per replica.
+        let first: Vec<usize> = (0..8)
+            .map(|a| run(&agent(a, 0), &mut board).order[0])
+            .collect();
+        // Each session's first tool result arrives while another session's
+        // long turn runs on the replica that took its task. A task is no
+        // home yet: the session is placed like new content, by how many
+        // sessions each replica took, not by who is idle this instant.
+        let mut homes = Vec::new();
+        for (a, &took) in first.iter().enumerate() {
+            board.start(&s, id(took), 900, 0, false, 1000);
+            let c = run(&agent(a, 1), &mut board);
+            board.finish(&s, id(took), 900, 1000);
+            assert_eq!(c.reason, Reason::NewBranch, "session {a}");
+            homes.push(c.order[0]);
+        }
+        for replica in 0..4 {
+            let n = homes.iter().filter(|&&h| h == replica).count();
+            assert_eq!(n, 2, "replica {replica}: {homes:?} (tasks on {first:?})");
+            // A moved session counts where it went, once.
+            let placed = load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
+            assert_eq!(
+                placed, 2,
+                "replica {replica}: {homes:?} (tasks on {first:?})"
+            );
+        }
+        // From then on each session stays home.
+        for (a, &home) in homes.iter().enumerate() {
+            let c = run(&agent(a, 2), &mut board);
+            assert_eq!(
+                (c.order[0], c.reason),
+                (home, Reason::PrefixHit),
+                "session {a}"
+            );
+        }
+    }
+
+    #[test]
+    fn with_instances_that_must_agree_a_sessions_lead_is_followed() {
+        // What one instance saw of a session may be a part of it: its lead
+        // is a held prefix like any other, not a session still to place.
+        for (extra, reason) in [
+            ("", Reason::NewBranch),
+            (r#","gateways":3"#, Reason::PrefixHit),
+        ] {
+            let r = router(extra);
+            let s = MemStore::new();
+            let mut board = LoadBoard::new(1, 10_000);
+            let mut first = Vec::new();
+            for a in 0..8 {
+                let h = hashed(&r, &agent(a, if a == 0 { 0 } else { 1 }));
+                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+                r.commit(&s, &mut board, &c, &h, 1000);
+                board.finish(&s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
+                first.push(c.order[0]);
+            }
+            let c = r
+                .decide(&s, &hashed(&r, &agent(0, 1)), Meta::default(), 1000)
+                .unwrap();
+            assert_eq!(c.reason, reason, "{extra}");
+            if reason == Reason::PrefixHit {
+                assert_eq!(c.order[0], first[0]);
+            }
         }
     }
 

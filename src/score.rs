@@ -134,6 +134,12 @@ impl ScoreParams {
         }
     }
 
+    /// New content goes where every gateway instance would put it: there
+    /// are several, and no token leads a session's later turns back.
+    pub fn agree(&self) -> bool {
+        self.gateways > 1 && !self.clients_echo
+    }
+
     fn load_of(&self, l: &Load) -> f64 {
         match self.load_measure {
             LoadMeasure::Work => l.work as f64,
@@ -281,8 +287,7 @@ pub fn rank_below(
     // through the scraped counts (`others`). Restricting that to the two
     // rendezvous candidates was tried: multi-turn, 3 instances, share
     // 1.45 against 1.09.
-    let agree = p.gateways > 1 && !p.clients_echo;
-    if agree && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+    if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
         // Only what differs between replicas for any new content: load,
         // queue, KV and LoRA (not the instance-local placement history).
         let w = &p.weights;
