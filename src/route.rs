@@ -106,20 +106,33 @@ impl Hashed {
 /// by recent sessions and load, not by who is idle this instant. Left to
 /// the cost, a busy holder's few blocks of lead lost to any idle replica,
 /// and sessions piled up wherever the second turns found a gap (agentic,
-/// 4 replicas: 1-3 sessions each, share 1.24-1.53). Returns the depth
-/// every other replica holds (the placement key's) and the lead's end.
-fn thin_lead(cands: &[Candidate], blocks: u32, min_new: u32) -> Option<(u32, u32)> {
-    let mut held: Vec<u32> = cands.iter().map(|c| c.matched.min(blocks)).collect();
-    held.sort_unstable_by(|a, b| b.cmp(a));
-    let (&top, rest) = held.split_first()?;
-    let &shared = rest.first()?;
+/// 4 replicas: 1-3 sessions each, share 1.24-1.53).
+#[derive(Debug, Clone, Copy)]
+struct Lead {
+    /// The candidate that holds the lead.
+    home: usize,
+    /// The depth every other candidate holds (where the placement key is).
+    shared: u32,
+    /// The lead's end.
+    top: u32,
+}
+
+fn thin_lead(cands: &[Candidate], blocks: u32, min_new: u32) -> Option<Lead> {
+    let held = |c: &Candidate| c.matched.min(blocks);
+    let (home, top) = cands.iter().map(held).enumerate().max_by_key(|&(_, h)| h)?;
+    let mut others = cands
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != home)
+        .map(|(_, c)| held(c));
+    let shared = others.next()?;
     let new = blocks - top;
     let thin = shared > 0
-        && rest.iter().all(|&h| h == shared)
         && top > shared
         && top - shared < new
-        && new >= min_new;
-    thin.then_some((shared, top))
+        && new >= min_new
+        && others.all(|h| h == shared);
+    thin.then_some(Lead { home, shared, top })
 }
 
 /// What the router knows about a request besides its prefix.
@@ -434,32 +447,30 @@ impl Router {
             })
             .collect();
         let blocks = hashed.blocks();
-        let mut held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
+        let held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
         // New content below a shared trunk is placed like a new prefix.
-        let mut trunk = matches
+        let forked = matches
             .branch
             .filter(|b| {
                 b.forks(hashed.checkpoints.get(b.at + 1))
                     && blocks.saturating_sub(b.held) >= self.params.trunk_min_new_blocks
             })
             .map_or(0, |b| b.held);
-        let mut home = None;
         // With instances that must agree, a lead may be just what this one
         // saw of a longer session: the index decides as for any prefix.
-        let thin = (!self.params.agree())
+        let lead = (!self.params.agree())
             .then(|| thin_lead(&cands, blocks, self.params.trunk_min_new_blocks))
             .flatten();
-        if let Some((shared, top)) = thin {
-            // Keyed where every replica's holding ends, as an instance that
-            // never saw the lead keys it.
-            (trunk, held) = (trunk.max(top), shared);
-            // The home's count of recent sessions includes this one.
-            if let Some(c) = cands.iter_mut().find(|c| c.matched.min(blocks) == top) {
-                c.load.branches = c.load.branches.saturating_sub(1);
-                home = Some(c.id);
-            }
-        }
-        let ranked = score::rank_below(&cands, blocks, trunk, hashed.placement(held), &self.params);
+        // The home's count of recent sessions includes this one.
+        let home = lead.and_then(|l| cands.get_mut(l.home)).map(|c| {
+            c.load.branches = c.load.branches.saturating_sub(1);
+            c.id
+        });
+        let trunk = lead.map_or(forked, |l| forked.max(l.top));
+        // A new session is keyed where every replica's holding ends, as an
+        // instance that never saw its lead keys it.
+        let key = hashed.placement(lead.map_or(held, |l| l.shared));
+        let ranked = score::rank_below(&cands, blocks, trunk, key, &self.params);
         let held = ranked
             .order
             .first()
