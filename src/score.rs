@@ -102,7 +102,9 @@ pub struct ScoreParams {
     pub bounded_load_slack: u32,
     /// New content (blocks) a request must bring below a forked prefix to
     /// be placed as new content below a trunk (see `rank_below`); shorter
-    /// continuations (a question) stay with the prefix's holders.
+    /// continuations (a question) stay with the prefix's holders. Below a
+    /// trunk nested in another it counts from the request's first
+    /// checkpoint past the trunk (`Router::decide`).
     pub trunk_min_new_blocks: u32,
     /// Independent gateway instances in front of the same replicas: above
     /// 1, new content is placed by `two_choices` so that they agree.

@@ -145,3 +145,29 @@ def test_documents_below_a_long_shared_preamble_stick_and_spread():
         assert envoy.stat("prefix_router.decision.new_branch") >= 8
         # Questions after the first find their whole document held.
         assert envoy.stat("prefix_router.decision.prefix_hit") >= 48
+
+
+def test_a_short_question_stays_with_its_document_wherever_the_document_ends():
+    """Past the dense window checkpoints are 16 blocks apart at this depth,
+    so where a question leaves its document is known only to within a
+    gap. Documents whose lengths sweep a whole gap: some end just before a
+    checkpoint, and their 100-byte questions cross it. Those must still
+    follow the document (prefix hits), not be placed like new documents
+    (which copied documents to several replicas)."""
+    shared = preamble()
+    with backends(4) as bs, start([b.addr for b in bs], concurrency=2) as envoy:
+        homes = defaultdict(Counter)
+        for d in range(24):
+            text = doc(d) + "x" * (45 * d)
+            for q in range(4):
+                question = f" Question {q}: " + "why is it so? " * 6
+                messages = [("system", shared), ("user", text + question)]
+                status, headers, _ = request(envoy.port, body=chat(messages))
+                assert status == 200
+                homes[d][headers["x-served-by"]] += 1
+        for d, served in homes.items():
+            assert len(served) == 1, (d, served)
+        # Each document after the first is new content below the preamble;
+        # every later question finds its document held.
+        assert envoy.stat("prefix_router.decision.new_branch") == 23
+        assert envoy.stat("prefix_router.decision.prefix_hit") == 72
