@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use crate::config::{Baseline, Config};
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
-use crate::index::{Matches, PrefixIndex, RecordStats};
+use crate::index::{Branch, Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard};
 use crate::prefix::{self, Checkpoint};
 use crate::replicas::{HealthPolicy, Row, Table};
@@ -133,6 +133,38 @@ fn thin_lead(cands: &[Candidate], blocks: u32, min_new: u32) -> Option<Lead> {
         && new >= min_new
         && others.all(|h| h == shared);
     thin.then_some(Lead { home, shared, top })
+}
+
+/// The depth of the shared trunk a request brings new content below (0:
+/// none): the prefix where it leaves what this index holds, when that
+/// prefix has forked and the request brings at least `min_new` blocks.
+///
+/// Where a request leaves the trunk is known only to within one
+/// checkpoint gap (16 blocks at 45 KB). Below a trunk that itself sits
+/// below what other replicas hold (a document below a shared preamble), a
+/// question whose few blocks end a gap past the last checkpoint it shares
+/// with the document's other questions is no new content: there the new
+/// content counts from the request's next checkpoint. Counted from the
+/// trunk's end, such questions were placed like new documents and copied
+/// theirs to a second, third and fourth replica, where the copies evicted
+/// other documents (long-preamble: 12% of warm requests `new_branch`, 21
+/// of 64 documents on 2-4 replicas, warm TTFT p95 585-825 against 97-104).
+/// Below a first trunk (a preamble) a short new part is an agent's task,
+/// which must spread: there it counts from the trunk's end.
+fn trunk_above(branch: Option<Branch>, hashed: &Hashed, cands: &[Candidate], min_new: u32) -> u32 {
+    let blocks = hashed.blocks();
+    branch
+        .filter(|b| {
+            let next = hashed.checkpoints.get(b.at + 1);
+            let nested = cands.iter().any(|c| c.matched > 0 && c.matched < b.held);
+            let from = if nested {
+                next.map_or(blocks, |c| c.blocks)
+            } else {
+                b.held
+            };
+            b.forks(next) && blocks.saturating_sub(from) >= min_new
+        })
+        .map_or(0, |b| b.held)
 }
 
 /// What the router knows about a request besides its prefix.
@@ -449,32 +481,12 @@ impl Router {
         let blocks = hashed.blocks();
         let held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
         // New content below a shared trunk is placed like a new prefix.
-        // Where a request leaves the trunk is known only to within one
-        // checkpoint gap (16 blocks at 45 KB). Below a trunk that itself
-        // sits below what other replicas hold (a document below a shared
-        // preamble), a question whose few blocks end a gap past the last
-        // checkpoint it shares with the document's other questions is no
-        // new content: there it counts from the request's next checkpoint.
-        // Counted from the trunk's end, such questions were placed like new
-        // documents and copied theirs to a second, third and fourth
-        // replica, where the copies evicted other documents (long-preamble:
-        // 12% of warm requests `new_branch`, 21 of 64 documents on 2-4
-        // replicas). Below a first trunk (a preamble) a short new part is
-        // an agent's task, which must spread: there it counts from the
-        // trunk's end.
-        let forked = matches
-            .branch
-            .filter(|b| {
-                let next = hashed.checkpoints.get(b.at + 1);
-                let nested = cands.iter().any(|c| c.matched > 0 && c.matched < b.held);
-                let from = if nested {
-                    next.map_or(blocks, |c| c.blocks)
-                } else {
-                    b.held
-                };
-                b.forks(next) && blocks.saturating_sub(from) >= self.params.trunk_min_new_blocks
-            })
-            .map_or(0, |b| b.held);
+        let forked = trunk_above(
+            matches.branch,
+            hashed,
+            &cands,
+            self.params.trunk_min_new_blocks,
+        );
         // With instances that must agree, a lead may be just what this one
         // saw of a longer session: the index decides as for any prefix.
         let lead = (!self.params.agree())

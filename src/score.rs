@@ -104,7 +104,7 @@ pub struct ScoreParams {
     /// be placed as new content below a trunk (see `rank_below`); shorter
     /// continuations (a question) stay with the prefix's holders. Below a
     /// trunk nested in another it counts from the request's first
-    /// checkpoint past the trunk (`Router::decide`).
+    /// checkpoint past the trunk (`route::trunk_above`).
     pub trunk_min_new_blocks: u32,
     /// Independent gateway instances in front of the same replicas: above
     /// 1, new content is placed by `two_choices` so that they agree.
