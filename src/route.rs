@@ -152,19 +152,25 @@ fn thin_lead(cands: &[Candidate], blocks: u32, min_new: u32) -> Option<Lead> {
 /// Below a first trunk (a preamble) a short new part is an agent's task,
 /// which must spread: there it counts from the trunk's end.
 fn trunk_above(branch: Option<Branch>, hashed: &Hashed, cands: &[Candidate], min_new: u32) -> u32 {
+    let Some(b) = branch else {
+        return 0;
+    };
+    let next = hashed.checkpoints.get(b.at + 1);
+    if !b.forks(next) {
+        return 0;
+    }
     let blocks = hashed.blocks();
-    branch
-        .filter(|b| {
-            let next = hashed.checkpoints.get(b.at + 1);
-            let nested = cands.iter().any(|c| c.matched > 0 && c.matched < b.held);
-            let from = if nested {
-                next.map_or(blocks, |c| c.blocks)
-            } else {
-                b.held
-            };
-            b.forks(next) && blocks.saturating_sub(from) >= min_new
-        })
-        .map_or(0, |b| b.held)
+    let nested = cands.iter().any(|c| c.matched > 0 && c.matched < b.held);
+    let from = if nested {
+        next.map_or(blocks, |c| c.blocks)
+    } else {
+        b.held
+    };
+    if blocks.saturating_sub(from) >= min_new {
+        b.held
+    } else {
+        0
+    }
 }
 
 /// What the router knows about a request besides its prefix.
