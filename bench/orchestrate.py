@@ -247,17 +247,19 @@ WASM_PATH: list[Path] = [harness.WASM]
 BUFFER_LIMIT = 16 * 1024 * 1024
 
 
-def envoy_config(kind: str, pool: list[str], port: int, admin: int) -> dict:
+def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: int = 1) -> dict:
     """Envoy config for one router kind, rendered from envoy/*.yaml.
 
     prefix-router runs as recommended: metrics scraping on (`cluster`),
-    plus whatever --plugin adds."""
+    told how many independent gateways there are (`gateways`, see README,
+    Many gateways), plus whatever --plugin adds (which may override it)."""
     limits = {"buffer_limit": BUFFER_LIMIT, "wasm_path": WASM_PATH[0]}
+    gateways = {"gateways": instances} if instances > 1 else {}
     if kind == "prefix-router":
-        plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **PLUGIN_EXTRA}
+        plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **gateways, **PLUGIN_EXTRA}
         return harness.render_config("override_host", plugin, pool, port, admin, **limits)
     if kind == "prefix-router-odst":
-        plugin = {"endpoints": pool, "cluster": "pool", **PLUGIN_EXTRA}
+        plugin = {"endpoints": pool, "cluster": "pool", **gateways, **PLUGIN_EXTRA}
         return harness.render_config("original_dst", plugin, pool, port, admin, **limits)
     # Envoy's own policies: the override_host config without the wasm filter
     # and with a plain lb_policy.
@@ -358,6 +360,31 @@ def placement_moves(doc: dict, changed: str, change: str, at_s: float) -> dict:
             "on_changed_after": sum(1 for k in both if after[k] == changed)}
 
 
+ENVOY_ROUTERS = ("prefix-router", "prefix-router-odst", "round-robin", "least-request", "ring-hash")
+
+
+def is_envoy(kind: str) -> bool:
+    return kind in ENVOY_ROUTERS
+
+
+def run_plan(routers: list[str], instances: list[int]) -> list[tuple[str, int]]:
+    """(router, Envoy instances) for every run, in order: each Envoy-based
+    router once per instance count, a peer router (one process of its own)
+    once."""
+    return [(r, n) for r in routers for n in (instances if is_envoy(r) else [1])]
+
+
+def instance_counts(text: str) -> list[int]:
+    """`--envoy-instances`: one count or a comma-separated list (1,2,3,4)."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count or a list of counts: {text!r}") from None
+    if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"want distinct counts from 1 to 16: {text!r}")
+    return counts
+
+
 class Router:
     """Starts one router (maybe several Envoy instances); `targets` are the
     host:port addresses the load generator uses."""
@@ -373,7 +400,7 @@ class Router:
 
     @property
     def is_envoy(self) -> bool:
-        return self.kind in ("prefix-router", "prefix-router-odst", "round-robin", "least-request", "ring-hash")
+        return is_envoy(self.kind)
 
     def unavailable(self) -> str | None:
         if self.is_envoy:
@@ -391,7 +418,8 @@ class Router:
         try:
             if self.is_envoy:
                 for _ in range(self.envoy_instances):
-                    cfg = envoy_config(self.kind, self.pool, harness.free_port(), harness.free_port())
+                    cfg = envoy_config(self.kind, self.pool, harness.free_port(), harness.free_port(),
+                                       self.envoy_instances)
                     env = harness.Envoy(cfg, concurrency=self.envoy_concurrency)
                     try:
                         env.__enter__()
@@ -571,20 +599,21 @@ def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
     return json.loads(out.read_text())
 
 
-def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> dict:
+def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, instances: int = 1) -> dict:
     label = ROUTER_LABELS[kind]
-    if kind.startswith("prefix-router") or kind in ("round-robin", "least-request", "ring-hash"):
-        label += f" x{a.envoy_instances}" if a.envoy_instances > 1 else ""
+    if is_envoy(kind):
+        label += f" x{instances}" if instances > 1 else ""
         label += f" (c={a.envoy_concurrency})" if a.envoy_concurrency != 2 else ""
     if kind.startswith("prefix-router") and a.affinity:
         label += " +affinity"
-    row = {"workload": workload, "router": kind, "label": label}
-    router = Router(kind, sim.addrs, a.envoy_concurrency, a.envoy_instances)
+    row = {"workload": workload, "router": kind, "label": label, "envoy_instances": instances}
+    records = f"runs/{workload}--{kind}" + (f"--x{instances}" if instances > 1 else "") + ".json"
+    router = Router(kind, sim.addrs, a.envoy_concurrency, instances)
     why = router.unavailable()
     if why:
-        log(f"[{workload}] {kind}: skipped: {why}")
+        log(f"[{workload}] {label}: skipped: {why}")
         return {**row, "skipped": why}
-    log(f"[{workload}] {kind}: starting")
+    log(f"[{workload}] {label}: starting")
     try:
         with router:
             sim.reset()
@@ -604,8 +633,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
                 timer.start()
             t0 = time.time()
             try:
-                doc = run_loadgen(router.targets, prof, sim,
-                                  outdir / "runs" / f"{workload}--{kind}.json", a)
+                doc = run_loadgen(router.targets, prof, sim, outdir / records, a)
             finally:
                 poller.stop()
                 timer.cancel()
@@ -616,7 +644,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
             router_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
             fstats = router.filter_stats()
     except Exception as e:  # a router that can't run is reported, not fatal
-        log(f"[{workload}] {kind}: FAILED: {e}")
+        log(f"[{workload}] {label}: FAILED: {e}")
         return {**row, "skipped": f"failed: {str(e)[:300]}"}
 
     def delta(name: str) -> float:
@@ -649,9 +677,9 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path) -> 
         "ttft_warm_ms": warm_ttft(doc, prof["time_scale"]) if workload in WARM_WORKLOADS else None,
         "key_affinity": key_affinity(doc),
         "replica_change": (placement_moves(doc, changed, change, a.change_after) if change else None),
-        "records_file": f"runs/{workload}--{kind}.json",
+        "records_file": records,
     })
-    log(f"[{workload}] {kind}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "
+    log(f"[{workload}] {label}: hit rate {row['hit_rate'] or 0:.1%}, TTFT p95 "
         f"{s['ttft_ms']['p95']:.0f} ms, peak waiting {poller.peak_total:.0f}, errors {s['errors']}")
     return row
 
@@ -705,8 +733,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", type=Path, default=None, help="JSONL trace for --workload replay")
     ap.add_argument("--speedup", type=float, default=1.0, help="replay speed-up")
     ap.add_argument("--envoy-concurrency", type=int, default=2)
-    ap.add_argument("--envoy-instances", type=int, default=1,
-                    help="independent Envoy instances; each request goes to one at random")
+    ap.add_argument("--envoy-instances", type=instance_counts, default=[1],
+                    help="independent Envoy instances; each request goes to one at random. A list "
+                         "(1,2,3,4) runs every Envoy-based router once per count, in one report")
     ap.add_argument("--affinity", action="store_true",
                     help="turn on prefix-router's session affinity and have conversations and agent "
                          "sessions echo its token (an opt-in client)")
@@ -737,10 +766,6 @@ def main(argv: list[str] | None = None) -> int:
         PLUGIN_EXTRA.update(json.loads(a.plugin))
     except (ValueError, TypeError) as e:
         ap.error(f"--plugin: not a JSON object: {e}")
-    if a.envoy_instances > 1:
-        # Several independent gateways: tell the filter so (see README,
-        # Many gateways), unless --plugin says otherwise.
-        PLUGIN_EXTRA.setdefault("gateways", a.envoy_instances)
     if a.affinity:
         # Every instance gets the same key, as an operator's secret store
         # would give it; the load generator's conversations and sessions
@@ -782,8 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"],
                  prof.get("max_model_len")) as sim:
-            for r in routers:
-                rows.append(one_run(w, r, sim, prof, a, outdir))
+            for r, n in run_plan(routers, a.envoy_instances):
+                rows.append(one_run(w, r, sim, prof, a, outdir, n))
         results["workloads"][w] = {"setup": {k: v for k, v in prof.items() if k != "load"},
                                    "load_args": prof["load"], "runs": rows}
         (outdir / "results.json").write_text(json.dumps(results, indent=1))

@@ -51,6 +51,39 @@ def _distinct_content(data: dict) -> str | None:
     return None
 
 
+def _instances(n) -> str:
+    """`envoy_instances` as results.json holds it: a count, or a list of
+    counts when one report covers several."""
+    return ", ".join(map(str, n)) if isinstance(n, list) else str(n)
+
+
+def gateways_table(runs: list[dict]) -> list[str]:
+    """Each Envoy-based router run with several instance counts, against its
+    own one-instance run: the many-gateways targets are ratios to it."""
+    by_router: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        if not r.get("skipped") and r.get("envoy_instances"):
+            by_router.setdefault(r["router"], {})[r["envoy_instances"]] = r
+    rows = []
+    for router, by_n in by_router.items():
+        one = by_n.get(1)
+        if one is None or len(by_n) < 2:
+            continue
+        for n in sorted(by_n):
+            r = by_n[n]
+            hit, p95 = r.get("hit_rate"), r["ttft_ms"]["p95"]
+            hit_ratio = f"{hit / one['hit_rate']:.3f}" if hit is not None and one.get("hit_rate") else "-"
+            p95_ratio = f"{p95 / one['ttft_ms']['p95']:.2f}" if one["ttft_ms"]["p95"] else "-"
+            rows.append(f"| {r['label']} | {n} | {_pct(hit)} | {hit_ratio} | {_ms(p95)} | {p95_ratio} "
+                        f"| {r['share_max_over_mean']:.2f} |")
+    if not rows:
+        return []
+    return ["Many gateways: each router with N independent Envoy instances against its own run with one "
+            "(hit rate and TTFT p95 as ratios to one instance's):", "",
+            "| router | instances | hit rate | x one | TTFT p95 | x one | share max/mean |",
+            "|---|---:|---:|---:|---:|---:|---:|", *rows, ""]
+
+
 def _change(c: dict) -> str:
     """The run note for --replica-change."""
     side = "on it before" if c["change"] == "remove" else "on it after"
@@ -63,7 +96,8 @@ def render(results: dict) -> str:
     out = ["# prefix-router benchmark", ""]
     out.append(
         f"Started {results.get('started', '?')}; Envoy `--concurrency {results.get('envoy_concurrency', 2)}`, "
-        f"{results.get('envoy_instances', 1)} Envoy instance(s) per Envoy-based router. "
+        f"{_instances(results.get('envoy_instances', 1))} Envoy instance(s) per Envoy-based router "
+        "(with several, each request goes to one of them at random). "
         "Latencies are in simulated milliseconds (real time / the simulator's time scale). "
         "Hit rate is the replicas' own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` "
         "over the run (tokens, summed over replicas); the bound is the best any router could do "
@@ -113,7 +147,7 @@ def render(results: dict) -> str:
             )
             lg = r.get("loadgen", {})
             notes.append(
-                f"{r['router']}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s real; "
+                f"{r['label']}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s real; "
                 f"load generator {lg.get('cpu_s', 0):.2f} CPU s ({100 * lg.get('cpu_util', 0):.0f}% of a core), "
                 f"router {r.get('router_cpu_s', 0):.2f} CPU s"
                 + (f"; {100 * r['key_affinity']:.0f}% of requests on their key's usual replica"
@@ -132,6 +166,7 @@ def render(results: dict) -> str:
                 )
             )
         out.append("")
+        out.extend(gateways_table(data.get("runs", [])))
         later = [(r["label"], r["ttft_later_turns_ms"]) for r in data.get("runs", [])
                  if not r.get("skipped") and r.get("ttft_later_turns_ms")]
         if later:
@@ -217,7 +252,8 @@ def plots(results: dict, outdir: Path) -> list[str]:
             made.append(name)
         plt.close(fig)
 
-        labels = [r["router"] for r in runs]
+        labels = [r["router"] + (f" x{r['envoy_instances']}" if r.get("envoy_instances", 1) > 1 else "")
+                  for r in runs]
         hit = [100 * (r["hit_rate"] or 0) for r in runs]
         p95 = [r["ttft_ms"]["p95"] / 1000 for r in runs]
         bound = next((r["upper_bound"]["hit_rate"] for r in runs if (r.get("upper_bound") or {}).get("hit_rate") is not None), None)

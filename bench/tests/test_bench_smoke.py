@@ -1,11 +1,14 @@
 """Smoke test of the benchmark harness: a tiny shared-prefix run through
 Envoy + prefix-router (override_host) and Envoy round robin, on simulated
-replicas. Checks that the report (Markdown + JSON) is written and that
-prefix-router's measured prefix-cache hit rate beats round robin's.
+replicas, each with one and with two independent Envoy instances, in one
+report. Checks that the report (Markdown + JSON) is written, that every
+run has its own records, that the two-instance prefix-router run really
+went through both Envoys, and that prefix-router's measured prefix-cache
+hit rate beats round robin's.
 
 Needs: target/release/{replica-sim,prefix-bench} (built here if missing),
 the wasm module (scripts/build) and Envoy (scripts/setup). No matplotlib.
-Bounded: the harness caps each run; the whole test takes ~20-40 s.
+Bounded: the harness caps each run; the whole test takes ~40-80 s.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def test_prefix_router_beats_round_robin(tmp_path):
         "--scale", "0.02",           # 3 groups x 2,048-token prefixes, 180 prompts
         "--replicas", "4",
         "--time-scale", "0.2",
+        "--envoy-instances", "1,2",
         "--max-run-seconds", "30",
         "--drain-seconds", "20",
         "--no-plots",
@@ -55,14 +59,24 @@ def test_prefix_router_beats_round_robin(tmp_path):
     md = (out / "report.md").read_text()
     assert "| router |" in md and "Envoy + prefix-router" in md and "ROUND_ROBIN" in md
     results = json.loads((out / "results.json").read_text())
-    runs = {r["router"]: r for r in results["workloads"]["shared-prefix"]["runs"]}
-    for name in ("prefix-router", "round-robin"):
-        r = runs[name]
-        assert not r.get("skipped"), r.get("skipped")
-        assert r["ok"] > 0 and r["errors"] == 0, r.get("error_kinds")
+    runs = {(r["router"], r["envoy_instances"]): r for r in results["workloads"]["shared-prefix"]["runs"]}
+    assert sorted(runs) == [("prefix-router", 1), ("prefix-router", 2), ("round-robin", 1), ("round-robin", 2)]
+    assert len({r["records_file"] for r in runs.values()}) == 4
+    for key, r in runs.items():
+        assert not r.get("skipped"), (key, r.get("skipped"))
+        assert r["ok"] > 0 and r["errors"] == 0, (key, r.get("error_kinds"))
         assert r["hit_rate"] is not None
         assert (out / r["records_file"]).exists()
-    pr, rr = runs["prefix-router"], runs["round-robin"]
+        assert len(r["targets"]) == key[1]
+    # The two-instance run sent requests to both Envoys, and every request
+    # was decided by one of the two filters (their counters are summed).
+    two = runs[("prefix-router", 2)]
+    records = json.loads((out / two["records_file"]).read_text())["records"]
+    assert {r["target"] for r in records} == {0, 1}  # indices into the targets
+    decided = sum(v for k, v in two["filter_stats"].items() if k.startswith("decision."))
+    assert decided == two["requests"], two["filter_stats"]
+    assert "Many gateways" in md and "| Envoy + prefix-router (override_host) x2 | 2 |" in md
+    pr, rr = runs[("prefix-router", 1)], runs[("round-robin", 1)]
     assert pr["hit_rate"] > rr["hit_rate"], (pr["hit_rate"], rr["hit_rate"])
     bound = pr["upper_bound"]["hit_rate"]
     assert pr["hit_rate"] <= bound + 0.02, (pr["hit_rate"], bound)
