@@ -16,11 +16,13 @@ pub fn request_body(data: &[u8]) {
     let cfg = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).expect("static config");
     if let Ok(p) = request::extract(data, CAP) {
         assert!(p.text.len() <= CAP);
+        assert!(p.lead_bytes <= p.text.len());
         let h = Hashed::of(&p, &cfg);
         // The filter's one-pass parse-and-hash agrees with render-then-hash.
         if p.text.len() < CAP {
             if let Ok((_, streamed)) = Hashed::parse(data, &cfg) {
                 assert_eq!(streamed.checkpoints, h.checkpoints);
+                assert_eq!(streamed.lead_blocks, h.lead_blocks);
             }
         }
         assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);

@@ -360,6 +360,12 @@ impl PrefixIndex {
 }
 
 impl PrefixIndex {
+    /// Has the prefix ending at `at` forked (different continuations were
+    /// seen below it)? One read.
+    pub fn forked<S: Store + ?Sized>(&self, store: &S, at: &Checkpoint) -> bool {
+        self.probe(store, at.hash).is_some_and(|e| e.forked)
+    }
+
     /// Remember what followed the branch point of a request (its next
     /// checkpoint, if that one is on the schedule, so two requests are
     /// compared at the same depth): a second, different continuation marks

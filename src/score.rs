@@ -416,6 +416,14 @@ fn two_choices(
     }
 }
 
+/// The two candidates every gateway instance computes for new content
+/// keyed `key` (see `two_choices`).
+pub fn agreed_pair(cands: &[Candidate], key: u64) -> Vec<usize> {
+    let mut order = rendezvous_order(cands, key);
+    order.truncate(2);
+    order
+}
+
 /// Candidate indices by their rendezvous weight for `key`, highest first.
 fn rendezvous_order(cands: &[Candidate], key: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..cands.len()).collect();

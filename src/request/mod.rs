@@ -33,6 +33,10 @@ pub struct Prompt {
     pub cache_salt: Option<String>,
     /// Rendered prompt, at most `cap` bytes.
     pub text: Vec<u8>,
+    /// Where the conversation's own part starts (see [`Header::lead_bytes`]).
+    pub lead_bytes: usize,
+    /// Messages in it (see [`Header::own_messages`]).
+    pub own_messages: u32,
 }
 
 #[derive(Deserialize)]
@@ -127,6 +131,19 @@ impl Sink for crate::prefix::Hasher {
 pub struct Header {
     pub model: String,
     pub cache_salt: Option<String>,
+    /// Rendered bytes before the content of the first message that isn't
+    /// a preamble (tools, system, developer, instructions): the start of
+    /// what a conversation, agent session or document brings of its own,
+    /// after what many requests may share. 0 without such a preamble.
+    pub lead_bytes: usize,
+    /// Messages from there on: more than one for a conversation's or an
+    /// agent session's later turns.
+    pub own_messages: u32,
+}
+
+/// Roles that open a prompt with what many requests share.
+fn is_preamble(role: &str) -> bool {
+    matches!(role, "system" | "developer" | "tools" | "instructions")
 }
 
 /// Parse a body and render its prompt, keeping at most `cap` bytes.
@@ -138,6 +155,8 @@ pub fn extract(body: &[u8], cap: usize) -> Result<Prompt, ParseError> {
         model: h.model,
         cache_salt: h.cache_salt,
         text,
+        lead_bytes: h.lead_bytes,
+        own_messages: h.own_messages,
     })
 }
 
@@ -149,17 +168,22 @@ pub fn extract_into<S: Sink>(
     make: impl FnOnce(&Header) -> S,
 ) -> Result<(Header, S), ParseError> {
     let b: Body = serde_json::from_slice(body)?;
-    let header = Header {
+    let mut header = Header {
         model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
         cache_salt: b
             .cache_salt
             .as_deref()
             .map(|s| truncate_str(s, MAX_MODEL_BYTES).to_string()),
+        lead_bytes: 0,
+        own_messages: 0,
     };
     let mut out = Render {
         sink: make(&header),
         len: 0,
         cap,
+        preamble: false,
+        lead: None,
+        own: 0,
     };
     if let Some(messages) = &b.messages {
         render_tools(&mut out, b.tools.as_ref(), b.functions.as_ref());
@@ -195,6 +219,8 @@ pub fn extract_into<S: Sink>(
     } else {
         return Err(ParseError::NoPrompt);
     }
+    header.lead_bytes = out.lead.unwrap_or(0);
+    header.own_messages = out.own;
     Ok((header, out.sink))
 }
 
@@ -246,6 +272,13 @@ struct Render<S> {
     sink: S,
     len: usize,
     cap: usize,
+    /// A preamble message was rendered before any other.
+    preamble: bool,
+    /// Set at the first other message: where its content starts, if a
+    /// preamble came before it (else 0).
+    lead: Option<usize>,
+    /// Messages rendered since then, that one included.
+    own: u32,
 }
 
 impl<S: Sink> Render<S> {
@@ -298,6 +331,16 @@ impl<S: Sink> Render<S> {
         self.push(b"\x1f");
         self.push(role.len().to_string().as_bytes());
         self.push(b"\x1f");
+        if self.lead.is_none() {
+            if is_preamble(role) {
+                self.preamble = true;
+            } else {
+                self.lead = Some(if self.preamble { self.len } else { 0 });
+            }
+        }
+        if self.lead.is_some() {
+            self.own = self.own.saturating_add(1);
+        }
         match content {
             Some(Content::Text(t)) => self.push(&t.0),
             Some(Content::Parts(parts)) => {
@@ -386,6 +429,47 @@ mod tests {
         );
         // Names stay strings: a model name that is no string is an error.
         assert!(extract(br#"{"model":5,"prompt":"x"}"#, 100).is_err());
+    }
+
+    #[test]
+    fn the_lead_ends_where_the_first_message_after_the_preamble_begins() {
+        let lead = |body: &str| {
+            let p = extract(body.as_bytes(), 1 << 20).unwrap();
+            (p.lead_bytes, p.text)
+        };
+        // Tools and a system message, then the user's own part.
+        let (at, text) = lead(
+            r#"{"tools":[{"type":"function"}],"messages":[{"role":"system","content":"rules"},{"role":"user","content":"my task"},{"role":"assistant","content":"ok"}]}"#,
+        );
+        assert!(text[at..].starts_with(b"my task\x1f7"), "{at}");
+        let own = |body: &str| extract(body.as_bytes(), 1 << 20).unwrap().own_messages;
+        assert_eq!(
+            own(
+                r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"},{"role":"assistant","content":"a"},{"role":"user","content":"v"}]}"#
+            ),
+            3
+        );
+        assert_eq!(
+            own(r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#),
+            1
+        );
+        assert_eq!(&text[at - 8..at], b"\x1euser\x1f4\x1f");
+        // The same preamble gives the same lead whatever follows.
+        let (other, _) = lead(
+            r#"{"tools":[{"type":"function"}],"messages":[{"role":"system","content":"rules"},{"role":"user","content":"another task, longer"}]}"#,
+        );
+        assert_eq!(other, at);
+        // Responses API: instructions are a preamble too.
+        let (at, text) = lead(r#"{"instructions":"be brief","input":"hi there"}"#);
+        assert!(text[at..].starts_with(b"hi there"));
+        // No preamble, only a preamble, or no messages at all: no lead.
+        for body in [
+            r#"{"messages":[{"role":"user","content":"a"},{"role":"system","content":"b"}]}"#,
+            r#"{"messages":[{"role":"system","content":"only rules"}]}"#,
+            r#"{"prompt":"plain completion"}"#,
+        ] {
+            assert_eq!(lead(body).0, 0, "{body}");
+        }
     }
 
     #[test]
