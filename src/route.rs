@@ -225,7 +225,9 @@ fn agreed_below_lead<S: Store + ?Sized>(
     let j = cps.iter().rposition(|c| c.blocks <= hashed.lead_blocks)?;
     let (at, next) = (cps.get(j)?, cps.get(j + 1)?);
     let trunk = at.blocks;
-    if hashed.blocks().saturating_sub(trunk) < min_new {
+    // Cheap tests first: the rendezvous pair and the index read only for a
+    // turn that someone holds past the trunk.
+    if hashed.blocks().saturating_sub(trunk) < min_new || cands.iter().all(|c| c.matched <= trunk) {
         return None;
     }
     let pair = score::agreed_pair(cands, next.hash);
