@@ -23,6 +23,7 @@ pub fn request_body(data: &[u8]) {
             if let Ok((_, streamed)) = Hashed::parse(data, &cfg) {
                 assert_eq!(streamed.checkpoints, h.checkpoints);
                 assert_eq!(streamed.lead_blocks, h.lead_blocks);
+                assert_eq!(streamed.later_turn, h.later_turn);
             }
         }
         assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);

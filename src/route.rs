@@ -32,14 +32,16 @@ pub struct Router {
 #[derive(Debug, Default, Clone)]
 pub struct Hashed {
     pub checkpoints: Vec<Checkpoint>,
-    /// For a conversation's or agent session's later turn, the whole
-    /// blocks before its own part (after its system and tool messages); 0
-    /// for anything else: see [`agreed_below_lead`].
+    /// The whole blocks before the request's own part (after its system,
+    /// developer and tool messages); 0 without such a preamble.
     pub lead_blocks: u32,
+    /// A conversation's or agent session's later turn: more than one
+    /// message of its own (see [`agreed_below_lead`]).
+    pub later_turn: bool,
 }
 
 fn lead_blocks(lead_bytes: usize, own_messages: u32, cfg: &Config) -> u32 {
-    if own_messages < 2 {
+    if own_messages == 0 {
         return 0;
     }
     u32::try_from(lead_bytes / cfg.block_bytes.max(1)).unwrap_or(u32::MAX)
@@ -51,6 +53,7 @@ impl Hashed {
         Hashed {
             checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule()),
             lead_blocks: lead_blocks(prompt.lead_bytes, prompt.own_messages, cfg),
+            later_turn: prompt.own_messages > 1,
         }
     }
 
@@ -66,11 +69,13 @@ impl Hashed {
             prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule())
         })?;
         let lead_blocks = lead_blocks(header.lead_bytes, header.own_messages, cfg);
+        let later_turn = header.own_messages > 1;
         Ok((
             header,
             Hashed {
                 checkpoints: hasher.finish(),
                 lead_blocks,
+                later_turn,
             },
         ))
     }
@@ -103,12 +108,42 @@ impl Hashed {
     /// gateways: on shared-prefix with 15 groups and 3 instances the share
     /// went from 1.60 to 1.32, but the second copies overfilled the KV
     /// caches (hit rate 89.5% against 95.5%, TTFT p95 1,378 against 126).
+    ///
+    /// With instances that must agree, a request with a preamble is keyed
+    /// no higher than where its own part starts (`lead_floor`).
     fn placement(&self, held: u32) -> u64 {
         self.checkpoints
             .iter()
             .find(|c| c.blocks > held)
             .or(self.checkpoints.last())
             .map_or(0, |c| c.hash)
+    }
+
+    /// The last checkpoint before the request's own part begins (after its
+    /// system, developer and tool messages), if it has such a preamble.
+    fn lead_end(&self) -> Option<usize> {
+        self.checkpoints
+            .iter()
+            .rposition(|c| c.blocks <= self.lead_blocks)
+    }
+
+    /// Where a request with a preamble is keyed at the shallowest, with
+    /// instances that must agree: its key is the first checkpoint past the
+    /// preamble, where an instance that has seen the preamble fork keys it.
+    /// An instance that knows nothing of a prompt otherwise keys it at its
+    /// first checkpoint: the first conversation or agent session it ever
+    /// saw below a system prompt shared by all was keyed by that system
+    /// prompt, while the instances that had seen the prompt fork keyed it
+    /// where it diverges, and put it elsewhere (multi-turn, 3 instances,
+    /// seeds 1-3: 2-3 of 11 conversations on two replicas, hit rate
+    /// 84.7-85.3%; keyed past the preamble none, 86.6-86.7%, as with one
+    /// instance). Own parts that open alike up to the next checkpoint (a
+    /// template line) share a key on an instance that hasn't yet seen them
+    /// differ.
+    fn lead_floor(&self) -> u32 {
+        self.lead_end()
+            .and_then(|j| self.checkpoints.get(j))
+            .map_or(0, |c| c.blocks)
     }
 }
 
@@ -190,23 +225,30 @@ fn trunk_above(branch: Option<Branch>, hashed: &Hashed, cands: &[Candidate], min
 /// With gateway instances that must agree, for a conversation's or agent
 /// session's later turn: below a shared trunk that ends where its own part
 /// starts (after its system and tool messages, a prefix seen to fork),
-/// what lies past the trunk is credited only to the two replicas every
-/// instance computes for that content (`score::agreed_pair`, keyed at the
-/// first checkpoint past the trunk); any other holder is credited with the
+/// what lies past the trunk is credited only to the replica every instance
+/// would place that content on (`score::agreed_pair`, keyed at the first
+/// checkpoint past the trunk): the first of its two rendezvous candidates,
+/// or either while the first is the busier by more than one request's
+/// work (`score::agreed_home`); any other holder is credited with the
 /// trunk alone. `None`: the rule doesn't apply; `Some(0)`: an agreed
 /// replica still holds more; `Some(t)`: nobody agreed does, so the request
 /// is new content below a trunk of `t` blocks and goes where every
 /// instance puts it.
 ///
-/// An instance that knows nothing of a prompt keys it at its first
-/// checkpoint: the first session or conversation it ever sees below a
-/// system prompt shared by all is keyed by that system prompt, while the
-/// instances that know the prompt is shared key it where it diverges.
-/// Each instance then followed what it had learned, and the session
-/// alternated between two replicas for its whole life, re-prefilling the
-/// turns the other one served: with three instances exactly one
-/// conversation per instance (multi-turn: hit rate 83.6% against 86.6%
-/// with one instance; agentic: 3 of 8 sessions, TTFT p95 2.7x).
+/// A session can be held elsewhere by an instance that sent its first
+/// turn elsewhere: a first message too short to be new content below the
+/// trunk stays with the trunk's holders, an agent's task that ends before
+/// the next checkpoint is keyed by its last one (its later turns by the
+/// checkpoint past the trunk), a first turn that found both replicas over
+/// the load bound spilled further, and one that found the first busy went
+/// to the second. Another instance looks for the session on the first
+/// unless that one is busy, so each instance followed what it had learned and the
+/// session alternated between two replicas for its whole life,
+/// re-prefilling the turns the other one served (agentic, 3 instances:
+/// 2-5 of 8 sessions). Moved once, it stays. (Before requests were keyed
+/// past their preamble, `Hashed::lead_floor`, this also mended each
+/// instance's first conversation: multi-turn, 3 instances, hit rate 83.6%
+/// against 86.6% with one instance.)
 ///
 /// Only later turns: a conversation that alternates re-prefills what the
 /// other replica served at every switch, while a document asked one
@@ -219,19 +261,37 @@ fn agreed_below_lead<S: Store + ?Sized>(
     store: &S,
     hashed: &Hashed,
     cands: &mut [Candidate],
-    min_new: u32,
+    params: &ScoreParams,
 ) -> Option<u32> {
+    if !hashed.later_turn {
+        return None;
+    }
     let cps = &hashed.checkpoints;
-    let j = cps.iter().rposition(|c| c.blocks <= hashed.lead_blocks)?;
+    let j = hashed.lead_end()?;
     let (at, next) = (cps.get(j)?, cps.get(j + 1)?);
     let trunk = at.blocks;
     // Cheap tests first: the rendezvous pair and the index read only for a
     // turn that someone holds past the trunk.
+    let min_new = params.trunk_min_new_blocks;
     if hashed.blocks().saturating_sub(trunk) < min_new || cands.iter().all(|c| c.matched <= trunk) {
         return None;
     }
     let pair = score::agreed_pair(cands, next.hash);
-    let stray = |i: usize, c: &Candidate| c.matched > trunk && !pair.contains(&i);
+    // The second of the two is a home while the first is busier by more
+    // than one request's work. Held to the test that places new content
+    // (busier by more than a copy of the whole session would cost), the
+    // second almost never was: sessions gathered on their first
+    // candidates, which rendezvous deals out lumpily (agentic, 3
+    // instances, 6 seeds: median TTFT p95 2,200 against 3,280, but one
+    // seed put four of eight sessions on one replica, hit rate 84.6%
+    // against 91.4%, p95 21,324 against 6,593).
+    let second_ok = || score::agreed_home(cands, next.hash, 0, params) != pair.first().copied();
+    let legit: Vec<usize> = match pair.as_slice() {
+        &[a, b] if second_ok() => vec![a, b],
+        [a, ..] => vec![*a],
+        [] => Vec::new(),
+    };
+    let stray = |i: usize, c: &Candidate| c.matched > trunk && !legit.contains(&i);
     if !cands.iter().enumerate().any(|(i, c)| stray(i, c)) || !index.forked(store, at) {
         return None;
     }
@@ -560,13 +620,7 @@ impl Router {
             .collect();
         let blocks = hashed.blocks();
         let agreed = if self.params.agree() {
-            agreed_below_lead(
-                &self.index,
-                store,
-                hashed,
-                &mut cands,
-                self.params.trunk_min_new_blocks,
-            )
+            agreed_below_lead(&self.index, store, hashed, &mut cands, &self.params)
         } else {
             None
         };
@@ -593,7 +647,12 @@ impl Router {
         let trunk = lead.map_or(forked, |l| forked.max(l.top));
         // A new session is keyed where every replica's holding ends, as an
         // instance that never saw its lead keys it.
-        let key = hashed.placement(lead.map_or(held, |l| l.shared));
+        let floor = if self.params.agree() {
+            hashed.lead_floor()
+        } else {
+            0
+        };
+        let key = hashed.placement(lead.map_or(held, |l| l.shared).max(floor));
         let ranked = score::rank_below(&cands, blocks, trunk, key, &self.params);
         let held = ranked
             .order
@@ -1008,74 +1067,134 @@ mod tests {
         format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(","))
     }
 
+    /// One decision, committed and finished at once.
+    fn run(r: &Router, s: &MemStore, board: &mut LoadBoard, body: &str) -> Choice {
+        let h = hashed(r, body);
+        let c = r.decide(s, &h, Meta::default(), 1000).unwrap();
+        r.commit(s, board, &c, &h, 1000);
+        board.finish(s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
+        c
+    }
+
+    /// Endpoint indices by rendezvous weight for where conversation `conv`
+    /// leaves the shared system prompt: the order every instance computes.
+    fn agreed_order(r: &Router, conv: usize) -> Vec<usize> {
+        let h = hashed(r, &chat(conv, 2));
+        let key = h.checkpoints[h.lead_end().unwrap() + 1].hash;
+        let mut order: Vec<usize> = (0..r.endpoints().len()).collect();
+        order.sort_by_key(|&i| {
+            std::cmp::Reverse(score::rendezvous(key, r.endpoint(i).unwrap().id()))
+        });
+        order
+    }
+
     #[test]
-    fn an_instances_first_conversation_is_rehomed_where_every_instance_puts_it() {
+    fn an_instances_first_conversation_goes_where_every_instance_puts_it() {
         // Three gateway instances, each with its own index. `aware` has
-        // seen several conversations below the shared system prompt; each
-        // fresh instance's very first request is conversation `f`, keyed
-        // at its first checkpoint (the system prompt) for want of knowing
-        // better. Once that instance has seen the system prompt fork, the
-        // conversation's later turns go where the aware instance put it,
-        // unless its first replica is one of the two every instance may
-        // pick for the conversation (then it is a legitimate home).
+        // seen several conversations below the shared system prompt; a
+        // fresh instance's very first request is conversation `f`, and it
+        // knows nothing of the system prompt. Both must put `f` on the
+        // same replica, and the fresh one must keep it there once it has
+        // seen the system prompt fork. Keyed at its first checkpoint (the
+        // system prompt) as an instance that knows nothing did before,
+        // `f` went to the system prompt's replica instead.
         let extra = r#","gateways":3"#;
-        let run = |r: &Router, s: &MemStore, board: &mut LoadBoard, body: &str| {
-            let h = hashed(r, body);
-            let c = r.decide(s, &h, Meta::default(), 1000).unwrap();
-            r.commit(s, board, &c, &h, 1000);
-            board.finish(s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
-            c
-        };
         let aware = router(extra);
         let (s_aware, mut b_aware) = (MemStore::new(), LoadBoard::new(1, 10_000));
         for other in 100..104 {
             run(&aware, &s_aware, &mut b_aware, &chat(other, 1));
         }
-        let mut rehomed = 0;
+        let mut homes = HashSet::new();
         for f in 0..24 {
             let fresh = router(extra);
             let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
-            let blind = run(&fresh, &s, &mut board, &chat(f, 1)).order[0];
+            let first = run(&fresh, &s, &mut board, &chat(f, 1));
+            assert_eq!(first.reason, Reason::NewPrefix, "conversation {f}");
+            let home = agreed_order(&fresh, f)[0];
+            assert_eq!(first.order[0], home, "conversation {f}");
+            let agreed = run(&aware, &s_aware, &mut b_aware, &chat(f, 1));
+            assert_eq!((agreed.order[0], agreed.reason), (home, Reason::NewBranch));
             for other in 100..102 {
                 run(&fresh, &s, &mut board, &chat(other, 1));
             }
-            let agreed = run(&aware, &s_aware, &mut b_aware, &chat(f, 2));
-            assert_eq!(agreed.reason, Reason::NewBranch, "conversation {f}");
-            // The two replicas any instance may choose for conversation f.
-            let h = hashed(&fresh, &chat(f, 2));
-            let j = h
-                .checkpoints
-                .iter()
-                .rposition(|c| c.blocks <= h.lead_blocks)
-                .unwrap();
-            let key = h.checkpoints[j + 1].hash;
-            let mut by_hash: Vec<usize> = (0..4).collect();
-            by_hash.sort_by_key(|&i| {
-                std::cmp::Reverse(score::rendezvous(key, fresh.endpoint(i).unwrap().id()))
-            });
-            assert_eq!(agreed.order[0], by_hash[0], "conversation {f}");
-            let third = run(&fresh, &s, &mut board, &chat(f, 3));
-            if by_hash[..2].contains(&blind) {
-                assert_eq!(third.order[0], blind, "conversation {f}");
-                assert_eq!(third.reason, Reason::PrefixHit, "conversation {f}");
-            } else {
-                rehomed += 1;
-                assert_eq!(
-                    (third.order[0], third.reason),
-                    (agreed.order[0], Reason::NewBranch),
-                    "conversation {f}: first on {blind}"
-                );
-                let fourth = run(&fresh, &s, &mut board, &chat(f, 4));
-                assert_eq!(
-                    (fourth.order[0], fourth.reason),
-                    (agreed.order[0], Reason::PrefixHit),
-                    "conversation {f}"
-                );
+            for turns in 2..4 {
+                let c = run(&fresh, &s, &mut board, &chat(f, turns));
+                assert_eq!((c.order[0], c.reason), (home, Reason::PrefixHit), "{f}");
+            }
+            homes.insert(home);
+        }
+        // The conversations' keys differ: they spread over the pool.
+        assert_eq!(homes.len(), 4);
+    }
+
+    #[test]
+    fn a_session_spilled_past_its_two_replicas_returns_to_them() {
+        // Both replicas every instance computes for conversation 7 are
+        // over the load bound when its first turn arrives, so it spills to
+        // a third. Another instance would look for it on the first of the
+        // two, so once they have room its next turn moves there (once),
+        // and stays.
+        let r = router(r#","gateways":3,"bounded_load_factor":1.2"#);
+        let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
+        for other in 100..102 {
+            run(&r, &s, &mut board, &chat(other, 1));
+        }
+        let order = agreed_order(&r, 7);
+        let id = |i: usize| r.endpoint(i).unwrap().id();
+        for &i in &order[..2] {
+            for _ in 0..2 {
+                board.start(&s, id(i), 20_000, 0, false, 1000);
             }
         }
-        // The blind pick is the system prompt's replica, outside the pair
-        // for about half the conversations: the rule was exercised.
-        assert!(rehomed >= 6, "{rehomed} of 24 rehomed");
+        let spilled = run(&r, &s, &mut board, &chat(7, 1));
+        assert!(
+            !order[..2].contains(&spilled.order[0]),
+            "{:?}",
+            spilled.order
+        );
+        for &i in &order[..2] {
+            for _ in 0..2 {
+                board.finish(&s, id(i), 20_000, 1000);
+            }
+        }
+        let back = run(&r, &s, &mut board, &chat(7, 2));
+        assert_eq!((back.order[0], back.reason), (order[0], Reason::NewBranch));
+        let stays = run(&r, &s, &mut board, &chat(7, 3));
+        assert_eq!(
+            (stays.order[0], stays.reason),
+            (order[0], Reason::PrefixHit)
+        );
+    }
+
+    #[test]
+    fn a_session_on_the_second_of_its_replicas_moves_to_the_first_once_it_has_room() {
+        // The first of conversation 7's two replicas is busy when its first
+        // turns arrive, so they go to the second. Other instances look for
+        // it on the first whenever the first has room, so once it has, the
+        // conversation moves there (once) and stays.
+        let r = router(r#","gateways":3"#);
+        let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
+        for other in 100..102 {
+            run(&r, &s, &mut board, &chat(other, 1));
+        }
+        let order = agreed_order(&r, 7);
+        let first = r.endpoint(order[0]).unwrap().id();
+        board.start(&s, first, 1_000, 0, false, 1000);
+        for turns in 1..3 {
+            let c = run(&r, &s, &mut board, &chat(7, turns));
+            assert_eq!(c.order[0], order[1], "turn {turns}");
+        }
+        board.finish(&s, first, 1_000, 1000);
+        let moved = run(&r, &s, &mut board, &chat(7, 3));
+        assert_eq!(
+            (moved.order[0], moved.reason),
+            (order[0], Reason::NewBranch)
+        );
+        let stays = run(&r, &s, &mut board, &chat(7, 4));
+        assert_eq!(
+            (stays.order[0], stays.reason),
+            (order[0], Reason::PrefixHit)
+        );
     }
 
     #[test]

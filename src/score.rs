@@ -189,11 +189,7 @@ pub fn rank_below(
     // 83.9%). Unscaled they count as the sample they are; the scraped
     // queue and KV usage are what every instance sees alike.
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
-    let mean = loads.iter().sum::<f64>() / cands.len() as f64;
     let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
-    // The slack keeps a lightly loaded pool from treating a replica with a
-    // few requests as "above the mean".
-    let bound = p.bounded_load_factor * mean + p.bounded_load_slack as f64;
     // New content (nobody holds more than the trunk) decides where its
     // followers go from then on: a document's questions, a session's
     // turns. For it, in-flight work within the load slack of the least
@@ -210,15 +206,7 @@ pub fn rank_below(
     // long-preamble +15-25%).
     let fresh = blocks > 0 && cands.iter().all(|c| c.matched <= trunk.min(blocks));
     let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
-    // A replica keeps the credit for what it holds while under the bound.
-    // One request in flight is no overload, however long: it made an
-    // agent session's holder shed a 1,800-block history, to re-prefill it
-    // elsewhere, because another session's 300-block turn ran there.
-    let keeps: Vec<bool> = cands
-        .iter()
-        .zip(&loads)
-        .map(|(c, &load)| load <= bound || c.load.requests <= 1)
-        .collect();
+    let keeps = within_bound(cands, &loads, p);
     let costs: Vec<f64> = cands
         .iter()
         .zip(&loads)
@@ -249,7 +237,7 @@ pub fn rank_below(
     // A wider band for new prefixes (so independent Envoy instances agree
     // more often) was tried: it cost the even spread of groups over
     // replicas and didn't measurably help two instances' hit rate.
-    let band = p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON);
+    let band = band(p);
     // For new content, near-ties go to the fewest recent sessions, then
     // the least recent new content: computed once, not per comparison.
     let recent: Vec<(u32, u32)> = if fresh {
@@ -290,24 +278,13 @@ pub fn rank_below(
     // rendezvous candidates was tried: multi-turn, 3 instances, share
     // 1.45 against 1.09.
     if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
-        // Only what differs between replicas for any new content: load,
-        // queue, KV and LoRA (not the instance-local placement history).
-        let w = &p.weights;
-        let pressure: Vec<f64> = cands
-            .iter()
-            .zip(&loads)
-            .map(|(c, &l)| {
-                w.load * l
-                    + w.queue * c.waiting.max(0.0) as f64
-                    + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
-                    + c.lora.cost(w.lora)
-            })
-            .collect();
-        // Leaving the agreed replica costs another instance's copy of the
-        // new content: worth it only for a bigger load difference.
-        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
-        let margin = band.max(p.weights.prefix * new_blocks);
-        two_choices(cands, &pressure, &keeps, margin, placement, &mut order);
+        let new_blocks = blocks.saturating_sub(trunk.min(blocks));
+        let pressure = pressure(cands, &loads, p);
+        let pick = two_choices(cands, &pressure, &keeps, new_blocks, placement, p);
+        if let Some(pick) = pick.or_else(|| order.first().copied()) {
+            order.retain(|&i| i != pick);
+            order.insert(0, pick);
+        }
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
@@ -322,6 +299,11 @@ pub fn rank_below(
         costs,
         reason,
     }
+}
+
+/// One request's constant in cost units: costs closer than this are ties.
+fn band(p: &ScoreParams) -> f64 {
+    p.request_cost_blocks.max(1) as f64 * p.weights.load.max(f64::EPSILON)
 }
 
 /// Requests on a replica that other gateway instances sent: the scraped
@@ -374,18 +356,18 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 
 /// Placement that independent gateway instances agree on, without talking:
 /// new content goes to its first rendezvous candidate on the placement
-/// key, or to the second when the first is busier by more than `margin`
-/// (load, queue, KV; at least what a second copy of the content would
-/// cost), and further down the rendezvous order only when both are over
-/// the load bound (one request in flight never is: another instance's view
-/// of the same replica may hold nothing). Every instance computes the same
-/// two candidates from the content and the replica set, so the same new
+/// key, or to the second when the first is busier (load, queue, KV) by
+/// more than a second copy of its `new_blocks` would cost (at least one
+/// request's work), and further down the rendezvous order only when both
+/// are over the load bound (one request in flight never is: another
+/// instance's view of the same replica may hold nothing); `None` when no
+/// candidate is within the bound. Every instance computes the same two
+/// candidates from the content and the replica set, so the same new
 /// content lands on at most two replicas however many instances see it,
 /// on one when loads are near even, and the choice still balances load
-/// ("power of two choices"). `order` keeps the cost order behind the pick
-/// (fallbacks). Breaking near-ties between the two by this instance's
-/// recent placements (`branches`) was tried: shared-prefix with 3
-/// instances went from share 1.60 to 1.19, but the instances stopped
+/// ("power of two choices"). Breaking near-ties between the two by this
+/// instance's recent placements (`branches`) was tried: shared-prefix with
+/// 3 instances went from share 1.60 to 1.19, but the instances stopped
 /// agreeing on conversations, which then alternated between two replicas
 /// (multi-turn hit rate 77.4% against 85.6%; with a margin of two
 /// placements 82.9%, share unchanged).
@@ -393,27 +375,75 @@ fn two_choices(
     cands: &[Candidate],
     pressure: &[f64],
     keeps: &[bool],
-    margin: f64,
+    new_blocks: u32,
     placement: u64,
-    order: &mut Vec<usize>,
-) {
+    p: &ScoreParams,
+) -> Option<usize> {
+    // Leaving the agreed replica costs another instance's copy of the new
+    // content: worth it only for a bigger load difference.
+    let margin = band(p).max(p.weights.prefix * f64::from(new_blocks));
     let by_hash = rendezvous_order(cands, placement);
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
-    let pick = match top.as_slice() {
+    match top.as_slice() {
         &[a, b] if pressure[a] - pressure[b] > margin => Some(b),
         &[a, ..] => Some(a),
-        [] => by_hash
-            .iter()
-            .skip(2)
-            .copied()
-            .find(within)
-            .or_else(|| order.first().copied()),
-    };
-    if let Some(pick) = pick {
-        order.retain(|&i| i != pick);
-        order.insert(0, pick);
+        [] => by_hash.iter().skip(2).copied().find(within),
     }
+}
+
+/// Where every gateway instance puts a request that brings `new_blocks`
+/// of new content keyed `key` below what every replica is priced as
+/// holding (`two_choices` over the load this instance sees).
+pub fn agreed_home(
+    cands: &[Candidate],
+    key: u64,
+    new_blocks: u32,
+    p: &ScoreParams,
+) -> Option<usize> {
+    let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
+    let keeps = within_bound(cands, &loads, p);
+    two_choices(
+        cands,
+        &pressure(cands, &loads, p),
+        &keeps,
+        new_blocks,
+        key,
+        p,
+    )
+}
+
+/// Only what differs between replicas for any new content: load, queue,
+/// KV and LoRA (not the instance-local placement history).
+fn pressure(cands: &[Candidate], loads: &[f64], p: &ScoreParams) -> Vec<f64> {
+    let w = &p.weights;
+    cands
+        .iter()
+        .zip(loads)
+        .map(|(c, &l)| {
+            w.load * l
+                + w.queue * c.waiting.max(0.0) as f64
+                + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
+                + c.lora.cost(w.lora)
+        })
+        .collect()
+}
+
+/// Whether each replica keeps the credit for what it holds: it is under
+/// the load bound (`bounded_load_factor` x the pool's mean, plus the slack
+/// that keeps a lightly loaded pool from treating a replica with a few
+/// requests as "above the mean"). One request in flight is no overload,
+/// however long: it made an agent session's holder shed a 1,800-block
+/// history, to re-prefill it elsewhere, because another session's
+/// 300-block turn ran there.
+fn within_bound(cands: &[Candidate], loads: &[f64], p: &ScoreParams) -> Vec<bool> {
+    let mean = loads.iter().sum::<f64>() / cands.len().max(1) as f64;
+    let bound = p.bounded_load_factor * mean + p.bounded_load_slack as f64;
+    cands
+        .iter()
+        .zip(loads)
+        .map(|(c, &load)| load <= bound || c.load.requests <= 1)
+        .collect()
 }
 
 /// The two candidates every gateway instance computes for new content
