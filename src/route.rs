@@ -226,11 +226,10 @@ fn trunk_above(branch: Option<Branch>, hashed: &Hashed, cands: &[Candidate], min
 /// session's later turn: below a shared trunk that ends where its own part
 /// starts (after its system and tool messages, a prefix seen to fork),
 /// what lies past the trunk is credited only to the replica every instance
-/// would place that content on (`score::agreed_pair`, keyed at the first
+/// would place that content on (`score::agreed_homes`, keyed at the first
 /// checkpoint past the trunk): the first of its two rendezvous candidates,
 /// or either while the first is the busier by more than one request's
-/// work (`score::agreed_home`); any other holder is credited with the
-/// trunk alone. `None`: the rule doesn't apply; `Some(0)`: an agreed
+/// work; any other holder is credited with the trunk alone. `None`: the rule doesn't apply; `Some(0)`: an agreed
 /// replica still holds more; `Some(t)`: nobody agreed does, so the request
 /// is new content below a trunk of `t` blocks and goes where every
 /// instance puts it.
@@ -276,7 +275,6 @@ fn agreed_below_lead<S: Store + ?Sized>(
     if hashed.blocks().saturating_sub(trunk) < min_new || cands.iter().all(|c| c.matched <= trunk) {
         return None;
     }
-    let pair = score::agreed_pair(cands, next.hash);
     // The second of the two is a home while the first is busier by more
     // than one request's work. Held to the test that places new content
     // (busier by more than a copy of the whole session would cost), the
@@ -285,12 +283,7 @@ fn agreed_below_lead<S: Store + ?Sized>(
     // instances, 6 seeds: median TTFT p95 2,200 against 3,280, but one
     // seed put four of eight sessions on one replica, hit rate 84.6%
     // against 91.4%, p95 21,324 against 6,593).
-    let second_ok = || score::agreed_home(cands, next.hash, 0, params) != pair.first().copied();
-    let legit: Vec<usize> = match pair.as_slice() {
-        &[a, b] if second_ok() => vec![a, b],
-        [a, ..] => vec![*a],
-        [] => Vec::new(),
-    };
+    let legit = score::agreed_homes(cands, next.hash, params);
     let stray = |i: usize, c: &Candidate| c.matched > trunk && !legit.contains(&i);
     if !cands.iter().enumerate().any(|(i, c)| stray(i, c)) || !index.forked(store, at) {
         return None;

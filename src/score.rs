@@ -278,9 +278,12 @@ pub fn rank_below(
     // rendezvous candidates was tried: multi-turn, 3 instances, share
     // 1.45 against 1.09.
     if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
-        let new_blocks = blocks.saturating_sub(trunk.min(blocks));
-        let pressure = pressure(cands, &loads, p);
-        let pick = two_choices(cands, &pressure, &keeps, new_blocks, placement, p);
+        // Leaving the agreed replica costs another instance's copy of the
+        // new content: worth it only for a bigger load difference.
+        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+        let margin = band.max(p.weights.prefix * new_blocks);
+        let by_hash = rendezvous_order(cands, placement);
+        let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, margin);
         if let Some(pick) = pick.or_else(|| order.first().copied()) {
             order.retain(|&i| i != pick);
             order.insert(0, pick);
@@ -356,12 +359,13 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 
 /// Placement that independent gateway instances agree on, without talking:
 /// new content goes to its first rendezvous candidate on the placement
-/// key, or to the second when the first is busier (load, queue, KV) by
-/// more than a second copy of its `new_blocks` would cost (at least one
-/// request's work), and further down the rendezvous order only when both
-/// are over the load bound (one request in flight never is: another
-/// instance's view of the same replica may hold nothing); `None` when no
-/// candidate is within the bound. Every instance computes the same two
+/// key (`by_hash`: the rendezvous order), or to the second when the first
+/// is busier (load, queue, KV) by more than `margin` (for new content, what
+/// a second copy of it would cost, at least one request's work), and
+/// further down the rendezvous order only when both are over the load
+/// bound (one request in flight never is: another instance's view of the
+/// same replica may hold nothing); `None` when no candidate is within the
+/// bound. Every instance computes the same two
 /// candidates from the content and the replica set, so the same new
 /// content lands on at most two replicas however many instances see it,
 /// on one when loads are near even, and the choice still balances load
@@ -371,18 +375,7 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 /// agreeing on conversations, which then alternated between two replicas
 /// (multi-turn hit rate 77.4% against 85.6%; with a margin of two
 /// placements 82.9%, share unchanged).
-fn two_choices(
-    cands: &[Candidate],
-    pressure: &[f64],
-    keeps: &[bool],
-    new_blocks: u32,
-    placement: u64,
-    p: &ScoreParams,
-) -> Option<usize> {
-    // Leaving the agreed replica costs another instance's copy of the new
-    // content: worth it only for a bigger load difference.
-    let margin = band(p).max(p.weights.prefix * f64::from(new_blocks));
-    let by_hash = rendezvous_order(cands, placement);
+fn two_choices(by_hash: &[usize], pressure: &[f64], keeps: &[bool], margin: f64) -> Option<usize> {
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
     match top.as_slice() {
@@ -392,25 +385,21 @@ fn two_choices(
     }
 }
 
-/// Where every gateway instance puts a request that brings `new_blocks`
-/// of new content keyed `key` below what every replica is priced as
-/// holding (`two_choices` over the load this instance sees).
-pub fn agreed_home(
-    cands: &[Candidate],
-    key: u64,
-    new_blocks: u32,
-    p: &ScoreParams,
-) -> Option<usize> {
+/// The replicas a session keyed `key` (past a trunk every replica is
+/// priced as holding) belongs on, as every gateway instance computes them
+/// now: the first of its two rendezvous candidates, and the second too
+/// unless `two_choices`, with one request's work as the margin, would pick
+/// the first.
+pub fn agreed_homes(cands: &[Candidate], key: u64, p: &ScoreParams) -> Vec<usize> {
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
     let keeps = within_bound(cands, &loads, p);
-    two_choices(
-        cands,
-        &pressure(cands, &loads, p),
-        &keeps,
-        new_blocks,
-        key,
-        p,
-    )
+    let by_hash = rendezvous_order(cands, key);
+    let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, band(p));
+    let mut homes: Vec<usize> = by_hash.into_iter().take(2).collect();
+    if pick.is_some() && pick == homes.first().copied() {
+        homes.truncate(1);
+    }
+    homes
 }
 
 /// Only what differs between replicas for any new content: load, queue,
@@ -444,14 +433,6 @@ fn within_bound(cands: &[Candidate], loads: &[f64], p: &ScoreParams) -> Vec<bool
         .zip(loads)
         .map(|(c, &load)| load <= bound || c.load.requests <= 1)
         .collect()
-}
-
-/// The two candidates every gateway instance computes for new content
-/// keyed `key` (see `two_choices`).
-pub fn agreed_pair(cands: &[Candidate], key: u64) -> Vec<usize> {
-    let mut order = rendezvous_order(cands, key);
-    order.truncate(2);
-    order
 }
 
 /// Candidate indices by their rendezvous weight for `key`, highest first.
