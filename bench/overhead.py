@@ -1,7 +1,8 @@
 """What the router itself costs: latency added and proxy CPU per request.
 
 Same instant backend (`overhead echo`), same chat bodies (16 KiB and 256 KiB,
-64 distinct documents), closed loop at concurrency 1 and 16, side by side in
+64 distinct documents; `--shapes agent`: an agent's turn, ~30 KB of tools,
+then tool calls and JSON tool results full of escapes), closed loop at concurrency 1 and 16, side by side in
 one run: direct to the backend, Envoy without the filter, Envoy with the
 body floor (examples/body_floor.rs: a wasm filter that holds the request,
 reads its body once and writes the destination header, deciding nothing),
@@ -11,13 +12,14 @@ run at once and their reps take turns, so a slow minute lands on all of
 them; each cell is the median of `--reps` runs; proxy CPU comes from
 /proc/<pid>/stat (user + system, all threads) over the run.
 
-    scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144]
+    scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144] [--shapes chat,agent]
         [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -87,11 +89,11 @@ def proxy(kind: str, backend: str):
         yield router.targets[0], pid
 
 
-def run_load(target: str, concurrency: int, size: int, seconds: float) -> dict:
+def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat") -> dict:
     out = subprocess.run(
         [str(TOOL), "load", "--target", f"http://{target}/v1/chat/completions",
          "--concurrency", str(concurrency), "--body-bytes", str(size), "--seconds", str(seconds),
-         "--reconnect-every", "50"],
+         "--reconnect-every", "50", "--shape", shape],
         capture_output=True, text=True, timeout=seconds + 60, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sizes", default="16384,262144")
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--shapes", default="chat",
+                    help="request bodies: chat (one plain document), agent (tools, tool calls, JSON results)")
     ap.add_argument("--routers", default="direct,round-robin,body-floor,prefix-router,sglang-router")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--wasm", type=Path, default=harness.WASM, help="the prefix-router module to measure")
@@ -134,26 +138,25 @@ def main(argv=None) -> int:
                 print(f"overhead: skipping {kind}: {e}", file=sys.stderr)
         for target, _ in up.values():
             run_load(target, 4, sizes[0], 1.0)  # warm-up
-        for size in sizes:
-            for conc in concs:
-                reps = {kind: [] for kind in up}
-                for _ in range(a.reps):
-                    for kind, (target, pid) in up.items():
-                        c0 = cpu_seconds(pid) if pid else 0.0
-                        r = run_load(target, conc, size, a.seconds)
-                        r["proxy_cpu_us_per_req"] = (
-                            (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
-                        )
-                        reps[kind].append(r)
-                for kind, rs in reps.items():
-                    med = {k: statistics.median(x[k] for x in rs)
-                           for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
-                    med.update(router=kind, size=size, concurrency=conc,
-                               errors=sum(x["errors"] for x in rs), reps=len(rs))
-                    results.append(med)
-                    print(f"{kind:14} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
-                          f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
-                          f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
+        for shape, size, conc in itertools.product(a.shapes.split(","), sizes, concs):
+            reps = {kind: [] for kind in up}
+            for _ in range(a.reps):
+                for kind, (target, pid) in up.items():
+                    c0 = cpu_seconds(pid) if pid else 0.0
+                    r = run_load(target, conc, size, a.seconds, shape)
+                    r["proxy_cpu_us_per_req"] = (
+                        (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
+                    )
+                    reps[kind].append(r)
+            for kind, rs in reps.items():
+                med = {k: statistics.median(x[k] for x in rs)
+                       for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
+                med.update(router=kind, size=size, shape=shape, concurrency=conc,
+                           errors=sum(x["errors"] for x in rs), reps=len(rs))
+                results.append(med)
+                print(f"{kind:14} {shape:5} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
+                      f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
+                      f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
     report = table(results)
     print(report)
     if a.out:
@@ -164,20 +167,21 @@ def main(argv=None) -> int:
 
 
 def table(results: list[dict]) -> str:
-    by = {(r["router"], r["size"], r["concurrency"]): r for r in results}
+    key = lambda r, router: (router, r.get("shape", "chat"), r["size"], r["concurrency"])
+    by = {key(r, r["router"]): r for r in results}
     lines = [
         "| router | body | conc | p50 µs | p99 µs | added p50 vs Envoy µs | over body-floor µs | req/s "
         "| proxy CPU µs/req | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        base = by.get(("round-robin", r["size"], r["concurrency"]))
+        base = by.get(key(r, "round-robin"))
         added = "" if not base or r["router"] in ("direct", "round-robin") else f"{r['p50_us'] - base['p50_us']:+.0f}"
-        floor = by.get(("body-floor", r["size"], r["concurrency"]))
+        floor = by.get(key(r, "body-floor"))
         over = f"{r['p50_us'] - floor['p50_us']:+.0f}" if floor and r["router"] in MODULES and r is not floor else ""
         cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
         lines.append(
-            f"| {r['router']} | {r['size'] // 1024} KiB | {r['concurrency']} | {r['p50_us']:.0f} | "
+            f"| {r['router']} | {r['size'] // 1024} KiB {r.get('shape', 'chat')} | {r['concurrency']} | {r['p50_us']:.0f} | "
             f"{r['p99_us']:.0f} | {added} | {over} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
         )
     return "\n".join(lines)

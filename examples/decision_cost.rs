@@ -28,6 +28,44 @@ fn body(bytes: usize, escaped: bool) -> String {
     )
 }
 
+/// An agent's turn of about `bytes`: ~30 KB of `tools` (JSON Schema
+/// function definitions), a system prompt, the task, then tool calls and
+/// their results (JSON text with escaped quotes and line breaks) up to the
+/// size, as the `agentic` benchmark workload sends.
+fn agent_body(bytes: usize) -> String {
+    let tools: Vec<String> = (0..40)
+        .map(|i| {
+            format!(
+                r#"{{"type":"function","function":{{"name":"tool_{i}","description":"Looks up record {i} in the inventory and returns its fields, history and owners as JSON.","parameters":{{"type":"object","properties":{{"id":{{"type":"string","description":"The record id, as printed on the label"}},"fields":{{"type":"array","items":{{"type":"string"}},"description":"Which fields to return; all when empty"}},"since":{{"type":"string","format":"date-time","description":"Only history after this instant"}},"limit":{{"type":"integer","minimum":1,"maximum":500}}}},"required":["id"]}}}}}}"#
+            )
+        })
+        .collect();
+    let mut messages = vec![
+        r#"{"role":"system","content":"You are an operations agent.\nCall one tool at a time and use its result.\nNever guess a record id."}"#.to_string(),
+        r#"{"role":"user","content":"Task: reconcile the inventory of site 7 with last week's audit.\nReport every mismatch."}"#.to_string(),
+    ];
+    let mut t = 0;
+    while messages.iter().map(String::len).sum::<usize>() + 30_000 < bytes {
+        let rows: String = (0..40)
+            .map(|r| {
+                format!(r#"{{\"id\":\"r-{t}-{r}\",\"state\":\"ok\",\"owner\":\"team {r}\"}},\n"#)
+            })
+            .collect();
+        messages.push(format!(
+            r#"{{"role":"assistant","content":null,"tool_calls":[{{"id":"call_{t}","type":"function","function":{{"name":"tool_{t}","arguments":"{{\"id\":\"r-{t}\",\"limit\":40}}"}}}}]}}"#
+        ));
+        messages.push(format!(
+            r#"{{"role":"tool","tool_call_id":"call_{t}","content":"{{\"records\":[\n{rows}]}}"}}"#
+        ));
+        t += 1;
+    }
+    format!(
+        r#"{{"model":"llama","tools":[{}],"messages":[{}],"stream":true}}"#,
+        tools.join(","),
+        messages.join(",")
+    )
+}
+
 fn median_us(runs: usize, mut f: impl FnMut()) -> f64 {
     let mut t: Vec<f64> = (0..runs)
         .map(|_| {
@@ -47,14 +85,17 @@ fn main() {
     let store = MemStore::new();
     println!(
         "{:>9} {:>8} {:>9} {:>9} {:>9} {:>9}",
-        "bytes", "escapes", "json", "render", "hash", "decision"
+        "body", "shape", "json", "render", "hash", "decision"
     );
     let sizes = [16 << 10, 256 << 10, 1 << 20];
-    for (escaped, size) in [false, true]
+    for (shape, size) in ["plain", "escaped", "agent"]
         .into_iter()
         .flat_map(|e| sizes.map(|s| (e, s)))
     {
-        let b = body(size, escaped);
+        let b = match shape {
+            "agent" => agent_body(size),
+            s => body(size, s == "escaped"),
+        };
         let runs = if size > 300_000 { 60 } else { 200 };
         let json = median_us(runs, || {
             std::hint::black_box(
@@ -76,7 +117,7 @@ fn main() {
             let c = r.decide(&store, &h, Meta::default(), 1000).unwrap();
             std::hint::black_box(r.header_value(&c));
         });
-        let escapes = if escaped { "yes" } else { "no" };
-        println!("{size:>9} {escapes:>8} {json:>9.1} {render:>9.1} {hash:>9.1} {decision:>9.1}");
+        let size = b.len();
+        println!("{size:>9} {shape:>8} {json:>9.1} {render:>9.1} {hash:>9.1} {decision:>9.1}");
     }
 }

@@ -51,16 +51,20 @@ def test_a_small_run_reports_each_router_and_the_floor_column(tmp_path):
         _need(p)
     rc = overhead.main([
         "--routers", "round-robin,body-floor,prefix-router", "--sizes", "16384", "--concurrency", "1",
-        "--reps", "2", "--seconds", "0.5", "--out", str(tmp_path),
+        "--reps", "2", "--seconds", "0.5", "--shapes", "chat,agent", "--out", str(tmp_path),
     ])
     assert rc == 0
     rows = json.loads((tmp_path / "overhead.json").read_text())
-    assert sorted(r["router"] for r in rows) == ["body-floor", "prefix-router", "round-robin"]
+    assert sorted((r["router"], r["shape"]) for r in rows) == [
+        (router, shape) for router in ("body-floor", "prefix-router", "round-robin") for shape in ("agent", "chat")
+    ]
     for r in rows:
         assert r["errors"] == 0, r
         assert r["rps"] > 0 and r["reps"] == 2, r
     table = (tmp_path / "overhead.md").read_text()
     assert "over body-floor" in table
-    pr = next(line for line in table.splitlines() if line.startswith("| prefix-router |"))
+    prs = [line for line in table.splitlines() if line.startswith("| prefix-router |")]
+    assert [pr.split("|")[2].strip() for pr in prs] == ["16 KiB chat", "16 KiB agent"]
     # Added vs Envoy and over the floor are both filled in for the filter.
-    assert pr.split("|")[6].strip().startswith(("+", "-")) and pr.split("|")[7].strip().startswith(("+", "-"))
+    for pr in prs:
+        assert pr.split("|")[6].strip().startswith(("+", "-")) and pr.split("|")[7].strip().startswith(("+", "-"))

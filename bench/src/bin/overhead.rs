@@ -3,9 +3,11 @@
 //! - `overhead echo --port P`: an instant OpenAI-ish backend (answers every
 //!   request with a tiny completion, no model, no delay), so what is measured
 //!   is the proxy in between;
-//! - `overhead load --target URL --concurrency C --body-bytes N --seconds S`:
-//!   closed loop, keep-alive, fixed-size chat bodies over 64 distinct
-//!   documents; prints one JSON line: requests, errors, req/s, latency
+//! - `overhead load --target URL --concurrency C --body-bytes N --seconds S
+//!   [--shape chat|agent]`: closed loop, keep-alive, fixed-size chat bodies
+//!   over 64 distinct documents (`chat`: one plain-text document; `agent`:
+//!   an agent's turn, tools + tool calls + JSON tool results full of
+//!   escapes); prints one JSON line: requests, errors, req/s, latency
 //!   percentiles in microseconds.
 
 use std::convert::Infallible;
@@ -15,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use http_body_util::{BodyExt, Full};
 use hyper::server::conn::http1 as server_http1;
 use hyper::service::service_fn;
@@ -51,7 +53,19 @@ enum Cmd {
         /// Envoy's workers; 0 = keep forever).
         #[arg(long, default_value_t = 0)]
         reconnect_every: usize,
+        #[arg(long, value_enum, default_value_t = Shape::Chat)]
+        shape: Shape,
     },
+}
+
+/// What the request bodies look like.
+#[derive(Clone, Copy, ValueEnum)]
+enum Shape {
+    /// A system line and one plain-text document (no JSON escapes).
+    Chat,
+    /// An agent's turn: about 30 KB of tool definitions, then tool calls
+    /// and their results (JSON text: an escaped quote every few bytes).
+    Agent,
 }
 
 const ANSWER: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
@@ -83,20 +97,68 @@ async fn echo(port: u16) -> Result<(), String> {
     }
 }
 
-/// 64 distinct chat bodies of about `bytes` bytes each.
-fn bodies(bytes: usize) -> Vec<Bytes> {
+/// 64 distinct bodies of about `bytes` bytes each.
+fn bodies(bytes: usize, shape: Shape) -> Vec<Bytes> {
     (0..64)
-        .map(|d| {
-            let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
-                .chars()
-                .cycle()
-                .take(bytes.saturating_sub(200))
-                .collect();
-            Bytes::from(format!(
-                r#"{{"model":"m","messages":[{{"role":"system","content":"Answer from the document."}},{{"role":"user","content":"{doc} Question?"}}],"max_tokens":1}}"#
-            ))
+        .map(|d| match shape {
+            Shape::Chat => chat_body(d, bytes),
+            Shape::Agent => agent_body(d, bytes),
         })
         .collect()
+}
+
+fn chat_body(d: usize, bytes: usize) -> Bytes {
+    let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
+        .chars()
+        .cycle()
+        .take(bytes.saturating_sub(200))
+        .collect();
+    Bytes::from(format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"Answer from the document."}},{{"role":"user","content":"{doc} Question?"}}],"max_tokens":1}}"#
+    ))
+}
+
+fn agent_body(d: usize, bytes: usize) -> Bytes {
+    use serde_json::json;
+    let tools: Vec<_> = (0..48)
+        .map(|i| {
+            json!({"type": "function", "function": {
+                "name": format!("inventory_{i}"),
+                "description": "Returns one inventory record with its fields, history and owners.",
+                "parameters": {"type": "object", "required": ["id"], "properties": {
+                    "id": {"type": "string", "description": "Record id as printed on its label"},
+                    "fields": {"type": "array", "items": {"type": "string"}},
+                    "since": {"type": "string", "format": "date-time"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 500}}}}})
+        })
+        .collect();
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are an operations agent.\nCall one tool at a time."}),
+        json!({"role": "user", "content": format!("Task {d}: reconcile site {d} with the audit.")}),
+    ];
+    let mut len = json!({"tools": tools, "messages": messages})
+        .to_string()
+        .len();
+    let mut turn = 0;
+    while len < bytes.saturating_sub(3_000) {
+        let records: Vec<_> = (0..30)
+            .map(|r| json!({"id": format!("r-{d}-{turn}-{r}"), "state": "ok", "owner": r}))
+            .collect();
+        let call = format!("call_{turn}");
+        let args = json!({"id": format!("r-{turn}")}).to_string();
+        let result = serde_json::to_string_pretty(&json!({"records": records})).unwrap_or_default();
+        for m in [
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": call, "type": "function", "function": {"name": "inventory_1", "arguments": args}}]}),
+            json!({"role": "tool", "tool_call_id": call, "content": result}),
+        ] {
+            len += m.to_string().len() + 1;
+            messages.push(m);
+        }
+        turn += 1;
+    }
+    let body = json!({"model": "m", "tools": tools, "messages": messages, "max_tokens": 1});
+    Bytes::from(body.to_string())
 }
 
 struct Target {
@@ -190,9 +252,10 @@ async fn load(
     body_bytes: usize,
     seconds: f64,
     reconnect_every: usize,
+    shape: Shape,
 ) -> Result<(), String> {
     let t = Arc::new(parse_target(target)?);
-    let b = Arc::new(bodies(body_bytes));
+    let b = Arc::new(bodies(body_bytes, shape));
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..concurrency.max(1))
@@ -254,7 +317,18 @@ fn main() -> std::process::ExitCode {
                 body_bytes,
                 seconds,
                 reconnect_every,
-            } => load(&target, concurrency, body_bytes, seconds, reconnect_every).await,
+                shape,
+            } => {
+                load(
+                    &target,
+                    concurrency,
+                    body_bytes,
+                    seconds,
+                    reconnect_every,
+                    shape,
+                )
+                .await
+            }
         }
     });
     match r {
