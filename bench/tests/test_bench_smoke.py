@@ -68,6 +68,9 @@ def test_prefix_router_beats_round_robin(tmp_path):
         assert r["hit_rate"] is not None
         assert (out / r["records_file"]).exists()
         assert len(r["targets"]) == key[1]
+        # Every run records the p95 of its requests after the first quarter
+        # (the many-gateways table's warm column).
+        assert r["ttft_warm_p95_ms"] is not None and r["ttft_warm_p95_ms"] > 0, key
     # The two-instance run sent requests to both Envoys, and every request
     # was decided by one of the two filters (their counters are summed).
     two = runs[("prefix-router", 2)]
@@ -76,6 +79,9 @@ def test_prefix_router_beats_round_robin(tmp_path):
     decided = sum(v for k, v in two["filter_stats"].items() if k.startswith("decision."))
     assert decided == two["requests"], two["filter_stats"]
     assert "Many gateways" in md and "| Envoy + prefix-router (override_host) x2 | 2 |" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| Envoy + prefix-router (override_host) x2 | 2 |"))
+    warm, warm_ratio = row.split("|")[7].strip(), row.split("|")[8].strip()
+    assert warm.replace(",", "").isdigit() and float(warm_ratio) > 0, row
     pr, rr = runs[("prefix-router", 1)], runs[("round-robin", 1)]
     assert pr["hit_rate"] > rr["hit_rate"], (pr["hit_rate"], rr["hit_rate"])
     bound = pr["upper_bound"]["hit_rate"]

@@ -57,13 +57,13 @@ def test_each_prefix_router_run_is_told_its_own_instance_count(monkeypatch):
     assert forced["gateways"] == 1
 
 
-def _run(router: str, n: int, hit: float, p95: float, share: float) -> dict:
+def _run(router: str, n: int, hit: float, p95: float, share: float, warm: float | None = None) -> dict:
     return {"router": router, "label": f"{router} x{n}", "envoy_instances": n, "hit_rate": hit,
-            "ttft_ms": {"p95": p95}, "share_max_over_mean": share}
+            "ttft_ms": {"p95": p95}, "ttft_warm_p95_ms": warm, "share_max_over_mean": share}
 
 
 def test_the_gateways_table_compares_each_count_with_the_same_routers_one_instance():
-    runs = [_run("prefix-router", 1, 0.90, 100.0, 1.05), _run("prefix-router", 3, 0.87, 150.0, 1.30),
+    runs = [_run("prefix-router", 1, 0.90, 100.0, 1.05, 40.0), _run("prefix-router", 3, 0.87, 150.0, 1.30, 50.0),
             _run("round-robin", 1, 0.30, 900.0, 1.00), _run("round-robin", 3, 0.31, 990.0, 1.01),
             {"router": "sglang-router", "label": "sglang", "envoy_instances": 1, "hit_rate": 0.9,
              "ttft_ms": {"p95": 1.0}, "share_max_over_mean": 1.0},
@@ -71,10 +71,11 @@ def test_the_gateways_table_compares_each_count_with_the_same_routers_one_instan
     lines = report.gateways_table(runs)
     rows = [ln for ln in lines if ln.startswith("| prefix-router") or ln.startswith("| round-robin")]
     assert rows == [
-        "| prefix-router x1 | 1 | 90.0% | 1.000 | 100 | 1.00 | 1.05 |",
-        "| prefix-router x3 | 3 | 87.0% | 0.967 | 150 | 1.50 | 1.30 |",
-        "| round-robin x1 | 1 | 30.0% | 1.000 | 900 | 1.00 | 1.00 |",
-        "| round-robin x3 | 3 | 31.0% | 1.033 | 990 | 1.10 | 1.01 |",
+        "| prefix-router x1 | 1 | 90.0% | 1.000 | 100 | 1.00 | 40 | 1.00 | 1.05 |",
+        "| prefix-router x3 | 3 | 87.0% | 0.967 | 150 | 1.50 | 50 | 1.25 | 1.30 |",
+        # Runs recorded before the warm p95 (older results files) show "-".
+        "| round-robin x1 | 1 | 30.0% | 1.000 | 900 | 1.00 | - | - | 1.00 |",
+        "| round-robin x3 | 3 | 31.0% | 1.033 | 990 | 1.10 | - | - | 1.01 |",
     ]
     # A router run at one count only (or without a one-instance run) has no row.
     assert not any("sglang" in ln for ln in lines)
