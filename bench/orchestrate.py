@@ -120,9 +120,11 @@ class Sim:
     """One replica-sim process serving N replicas on free ports."""
 
     def __init__(self, replicas: int, preset: str, time_scale: float, kv_tokens: int | None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, port: int = 0):
+        # Port 0: free ports. A fixed first port pins every replica's address
+        # (`port`..`port + replicas - 1`), and with it the rendezvous draw.
         self.args = [
-            str(SIM_BIN), "--port", "0", "--replicas", str(replicas),
+            str(SIM_BIN), "--port", str(port), "--replicas", str(replicas),
             "--preset", preset, "--time-scale", str(time_scale),
         ]
         if kv_tokens:
@@ -748,6 +750,11 @@ def parser() -> argparse.ArgumentParser:
                          "the report says how many keys changed replica")
     ap.add_argument("--change-after", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replica-port", type=int, default=0,
+                    help="first replica port (replicas on PORT..PORT+N-1; default: free ports). Replica "
+                         "addresses decide rendezvous placement, so which replicas get the most keys "
+                         "changes from run to run; pinning them compares two builds or settings on the "
+                         "same draw")
     ap.add_argument("--wasm", type=Path, default=None,
                     help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")
     ap.add_argument("--plugin", default="{}",
@@ -809,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
             f"KV {prof['kv_tokens'] or 'preset'} tokens each")
         rows = []
         with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"],
-                 prof.get("max_model_len")) as sim:
+                 prof.get("max_model_len"), a.replica_port) as sim:
             for r, n in run_plan(routers, a.envoy_instances):
                 rows.append(one_run(w, r, sim, prof, a, outdir, n))
         results["workloads"][w] = {"setup": {k: v for k, v in prof.items() if k != "load"},

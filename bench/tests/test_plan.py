@@ -80,3 +80,13 @@ def test_the_gateways_table_compares_each_count_with_the_same_routers_one_instan
     # A router run at one count only (or without a one-instance run) has no row.
     assert not any("sglang" in ln for ln in lines)
     assert report.gateways_table([_run("prefix-router", 3, 0.8, 1.0, 1.0)]) == []
+
+
+def test_a_replica_port_pins_the_replicas_addresses():
+    a = orchestrate.parser().parse_args(["--replica-port", "41000"])
+    sim = orchestrate.Sim(4, "fast", 1.0, None, None, a.replica_port)
+    assert sim.args[sim.args.index("--port") + 1] == "41000"
+    # By default every replica gets a free port of its own.
+    a = orchestrate.parser().parse_args([])
+    sim = orchestrate.Sim(4, "fast", 1.0, None, None, a.replica_port)
+    assert sim.args[sim.args.index("--port") + 1] == "0"
