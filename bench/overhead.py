@@ -1,10 +1,11 @@
 """What the router itself costs: latency added and proxy CPU per request.
 
 Same instant backend (`overhead echo`), same chat bodies (16 KiB and 256 KiB,
-64 distinct documents; `--shapes agent`: an agent's turn, ~30 KB of tools,
-then tool calls and JSON tool results full of escapes), closed loop at concurrency 1 and 16, side by side in
-one run: direct to the backend, Envoy without the filter, Envoy with the
-body floor (examples/body_floor.rs: a wasm filter that holds the request,
+64 distinct documents; `--shapes agent`: an agent's turn, ~20 KB of tools,
+then tool calls and JSON tool results full of escapes), closed loop at
+concurrency 1 and 16, side by side in one run: direct to the backend, Envoy
+without the filter, Envoy with the body floor (examples/body_floor.rs: a
+wasm filter that holds the request,
 reads its body once and writes the destination header, deciding nothing),
 Envoy with prefix-router, and sglang-router (`smg launch --policy
 cache_aware`) when installed. Envoy runs with --concurrency 2. All proxies
@@ -167,7 +168,9 @@ def main(argv=None) -> int:
 
 
 def table(results: list[dict]) -> str:
-    key = lambda r, router: (router, r.get("shape", "chat"), r["size"], r["concurrency"])
+    def key(r: dict, router: str) -> tuple:
+        return router, r["shape"], r["size"], r["concurrency"]
+
     by = {key(r, r["router"]): r for r in results}
     lines = [
         "| router | body | conc | p50 µs | p99 µs | added p50 vs Envoy µs | over body-floor µs | req/s "
@@ -181,7 +184,7 @@ def table(results: list[dict]) -> str:
         over = f"{r['p50_us'] - floor['p50_us']:+.0f}" if floor and r["router"] in MODULES and r is not floor else ""
         cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
         lines.append(
-            f"| {r['router']} | {r['size'] // 1024} KiB {r.get('shape', 'chat')} | {r['concurrency']} | {r['p50_us']:.0f} | "
+            f"| {r['router']} | {r['size'] // 1024} KiB {r['shape']} | {r['concurrency']} | {r['p50_us']:.0f} | "
             f"{r['p99_us']:.0f} | {added} | {over} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
         )
     return "\n".join(lines)

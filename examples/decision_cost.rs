@@ -28,7 +28,7 @@ fn body(bytes: usize, escaped: bool) -> String {
     )
 }
 
-/// An agent's turn of about `bytes`: ~30 KB of `tools` (JSON Schema
+/// An agent's turn of about `bytes`: ~20 KB of `tools` (JSON Schema
 /// function definitions), a system prompt, the task, then tool calls and
 /// their results (JSON text with escaped quotes and line breaks) up to the
 /// size, as the `agentic` benchmark workload sends.

@@ -63,7 +63,7 @@ enum Cmd {
 enum Shape {
     /// A system line and one plain-text document (no JSON escapes).
     Chat,
-    /// An agent's turn: about 30 KB of tool definitions, then tool calls
+    /// An agent's turn: about 20 KB of tool definitions, then tool calls
     /// and their results (JSON text: an escaped quote every few bytes).
     Agent,
 }
