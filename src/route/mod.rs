@@ -1,0 +1,556 @@
+//! One routing decision end to end, host-independent: prompt → block
+//! hashes (`hashed`) → index lookup + pool load → the depth a request is
+//! priced and keyed at (`trunk`) → ranking (`score`) → destination header
+//! value; then `commit` records the pick (in-flight work, index entries).
+
+mod hashed;
+mod trunk;
+
+use std::collections::HashSet;
+
+use crate::config::{Baseline, Config};
+use crate::discovery;
+use crate::endpoint::{Endpoint, ReplicaId};
+use crate::index::{Matches, PrefixIndex, RecordStats};
+use crate::load::{self, LoadBoard};
+use crate::replicas::{HealthPolicy, Row, Table};
+use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
+use crate::store::Store;
+
+pub use hashed::Hashed;
+use trunk::{agreed_below_lead, thin_lead, trunk_above};
+
+pub struct Router {
+    pub config: Config,
+    /// The pool now: the static list, plus what discovery published.
+    endpoints: Vec<Endpoint>,
+    /// Discovered-only replicas wait for their first good scrape.
+    discovered_only: Vec<bool>,
+    discovery_token: Option<u32>,
+    index: PrefixIndex,
+    params: ScoreParams,
+    stale_ms: u64,
+}
+
+/// What the router knows about a request besides its prefix.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Meta<'a> {
+    /// The `model` field: may name a LoRA adapter.
+    pub model: Option<&'a str>,
+    /// The client marked it sheddable (priority header).
+    pub sheddable: bool,
+    /// The replica a verified affinity token names (see `affinity`).
+    pub affinity: Option<ReplicaId>,
+}
+
+/// A request the filter answers itself instead of routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    pub status: u32,
+    pub kind: &'static str,
+    pub message: String,
+}
+
+/// A routing decision: what the header write and `commit` need.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    /// Endpoint indices, best first; never empty while the pool isn't.
+    pub order: Vec<usize>,
+    pub reason: Reason,
+    pub blocks: u32,
+    /// Blocks the primary pick holds, and when it last stamped them.
+    pub matched: u32,
+    pub stamped: u32,
+    /// Work this request adds to its replica (removed when it ends).
+    pub work: u64,
+    pub matches: Matches,
+    /// The replica that took the session's earlier request, when this one
+    /// places the session anew (`thin_lead`): the session counts as one
+    /// placement, on whichever replica keeps it.
+    pub home: Option<ReplicaId>,
+}
+
+/// Why a decision went the way it did: built only on request
+/// (`Router::decide_explained`), for the debug header (`Router::explain`)
+/// and shadow mode's baseline (`Router::shadow`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Diagnostics {
+    /// Every eligible replica's cost, best first.
+    pub costs: Vec<Cost>,
+    /// Every eligible replica's in-flight requests, in endpoint order: what
+    /// a least-request baseline decides on.
+    pub requests: Vec<InFlight>,
+}
+
+/// One replica's cost for a request, in blocks of work (see `score`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// Endpoint index.
+    pub endpoint: usize,
+    pub cost: f64,
+}
+
+/// Requests in flight on one replica (all workers of this instance).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlight {
+    /// Endpoint index.
+    pub endpoint: usize,
+    pub requests: u32,
+}
+
+/// A shadow decision: where the baseline routed, and what prefix-router
+/// would have done.
+#[derive(Debug, Clone)]
+pub struct Shadow {
+    /// The choice actually routed (the baseline's pick first).
+    pub routed: Choice,
+    /// prefix-router's own pick and its matched blocks.
+    pub ours: usize,
+    pub ours_matched: u32,
+}
+
+/// A priority header value that marks a request as droppable under
+/// saturation: `sheddable`/`low`/`batch`, or a negative number (the
+/// Inference Extension's convention: below zero is sheddable).
+pub fn is_sheddable(value: &str) -> bool {
+    let v = value.trim();
+    ["sheddable", "low", "batch"]
+        .iter()
+        .any(|s| v.eq_ignore_ascii_case(s))
+        || v.parse::<i64>().is_ok_and(|n| n < 0)
+}
+
+fn lists(r: &Row, model: &str) -> bool {
+    r.running_lora
+        .iter()
+        .chain(&r.waiting_lora)
+        .any(|a| a == model)
+}
+
+fn lora_fit(row: Option<&Row>, adapter: &str) -> LoraFit {
+    let Some(r) = row else {
+        return LoraFit::MustEvict;
+    };
+    if r.running_lora.iter().any(|a| a == adapter) {
+        LoraFit::Running
+    } else if r.waiting_lora.iter().any(|a| a == adapter) {
+        LoraFit::Waiting
+    } else if (r.running_lora.len() as u32) < r.max_lora {
+        LoraFit::CanLoad
+    } else {
+        LoraFit::MustEvict
+    }
+}
+
+impl Router {
+    pub fn new(config: Config) -> Router {
+        let params = ScoreParams {
+            weights: config.weights.clone(),
+            load_measure: config.load_measure,
+            request_cost_blocks: config.request_cost_blocks,
+            bounded_load_factor: config.bounded_load_factor,
+            bounded_load_slack: config.bounded_load_slack_blocks,
+            trunk_min_new_blocks: config.trunk_min_new_blocks,
+            gateways: config.gateways,
+            clients_echo: config.affinity.as_ref().is_some_and(|a| a.clients_echo),
+        };
+        // A slot is dead after 10 missed heartbeats (and never sooner than
+        // 2 s, so a stalled-but-alive worker isn't dropped on a hiccup).
+        let stale_ms = (config.tick_ms * 10).max(2000);
+        Router {
+            endpoints: config.static_endpoints.clone(),
+            discovered_only: vec![false; config.static_endpoints.len()],
+            discovery_token: None,
+            index: PrefixIndex::new(config.index_capacity),
+            params,
+            stale_ms,
+            config,
+        }
+    }
+
+    pub fn stale_ms(&self) -> u64 {
+        self.stale_ms
+    }
+
+    pub fn endpoint(&self, i: usize) -> Option<&Endpoint> {
+        self.endpoints.get(i)
+    }
+
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    /// Pick up a new discovered set if one was published since last time
+    /// (one shared-data read; rebuilt only when its token changes).
+    pub fn refresh<S: Store + ?Sized>(&mut self, store: &S) {
+        if self.config.discovery.is_none() {
+            return;
+        }
+        let Some((found, token)) = discovery::load(store) else {
+            return;
+        };
+        if self.discovery_token == Some(token) {
+            return;
+        }
+        self.discovery_token = Some(token);
+        let mut eps = self.config.static_endpoints.clone();
+        let mut only = vec![false; eps.len()];
+        // A set, not a scan per host: a pool of 1,024 is 1,024 lookups.
+        let mut seen: HashSet<ReplicaId> = eps.iter().map(Endpoint::id).collect();
+        for e in found {
+            if seen.insert(e.id()) {
+                eps.push(e);
+                only.push(true);
+            }
+        }
+        self.endpoints = eps;
+        self.discovered_only = only;
+    }
+
+    /// How many replicas are eligible now (for the operator's gauge).
+    pub fn eligible_count<S: Store + ?Sized>(&self, store: &S, now_ms: u64) -> usize {
+        let table = Table::load(store);
+        let health = self.health();
+        (0..self.endpoints.len())
+            .filter(|&i| self.eligible(i, &table, &health, now_ms))
+            .count()
+    }
+
+    /// Eligible to receive traffic: healthy per the replica table; a
+    /// replica known only from discovery also needs one good scrape first
+    /// (when scraping is on), so a new pod isn't sent traffic blind.
+    fn eligible(&self, i: usize, table: &Table, health: &HealthPolicy, now_ms: u64) -> bool {
+        let Some(ep) = self.endpoints.get(i) else {
+            return false;
+        };
+        let needs_scrape =
+            self.config.scrape.is_some() && self.discovered_only.get(i).copied().unwrap_or(false);
+        if needs_scrape {
+            table
+                .row(ep.id())
+                .is_some_and(|r| r.healthy(health, now_ms))
+        } else {
+            table.eligible(ep.id(), health, now_ms)
+        }
+    }
+
+    fn health(&self) -> HealthPolicy {
+        HealthPolicy {
+            staleness_ms: self.config.staleness_ms,
+            unhealthy_after: self.config.unhealthy_after,
+        }
+    }
+
+    /// Rank the eligible replicas for a request (`hashed` empty when there's
+    /// no prompt), or answer it: 503 when no replica is eligible, 429 when
+    /// every eligible replica is saturated and the request is sheddable.
+    pub fn decide<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+    ) -> Result<Choice, Reject> {
+        self.decide_into(store, hashed, meta, now_ms, None)
+    }
+
+    /// `decide`, and why: every eligible replica's cost and in-flight
+    /// requests (for the debug header and shadow mode only; the plain
+    /// decision doesn't build them).
+    pub fn decide_explained<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+    ) -> Result<(Choice, Diagnostics), Reject> {
+        let mut diagnostics = Diagnostics::default();
+        let choice = self.decide_into(store, hashed, meta, now_ms, Some(&mut diagnostics))?;
+        Ok((choice, diagnostics))
+    }
+
+    fn decide_into<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        meta: Meta,
+        now_ms: u64,
+        diagnostics: Option<&mut Diagnostics>,
+    ) -> Result<Choice, Reject> {
+        // Only the scraper writes the table: without scraping or discovery
+        // it is empty, and the read can be skipped.
+        let table = if self.config.scrape.is_some() || self.config.discovery.is_some() {
+            Table::load(store)
+        } else {
+            Table::default()
+        };
+        let health = self.health();
+        let eligible: Vec<usize> = (0..self.endpoints.len())
+            .filter(|&i| self.eligible(i, &table, &health, now_ms))
+            .collect();
+        if eligible.is_empty() {
+            return Err(Reject {
+                status: 503,
+                kind: "no_healthy_replica",
+                message: format!(
+                    "no healthy replica: all {} replicas failed or missed their metrics scrapes",
+                    self.endpoints.len()
+                ),
+            });
+        }
+        let rows: Vec<Option<&Row>> = eligible
+            .iter()
+            .map(|&i| table.row(self.endpoints[i].id()))
+            .collect();
+        if meta.sheddable && self.saturated(&rows) {
+            return Err(Reject {
+                status: 429,
+                kind: "saturated",
+                message: format!(
+                    "all {} eligible replicas are saturated (queue > {} or KV cache > {:.0}%); retry later",
+                    eligible.len(),
+                    self.config.queue_threshold,
+                    self.config.kv_threshold * 100.0
+                ),
+            });
+        }
+        let matches = if hashed.is_empty() {
+            Matches::default()
+        } else {
+            self.index.lookup(store, &hashed.checkpoints)
+        };
+        // The slot count is read every time (one host call): caching it
+        // hid a just-started worker's slot, and its placements, from the
+        // others for a tick.
+        let loads = load::snapshot(store, now_ms, self.stale_ms);
+        let adapter = meta
+            .model
+            .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
+        let mut cands: Vec<Candidate> = eligible
+            .iter()
+            .zip(&rows)
+            .map(|(&i, row)| {
+                let id = self.endpoints[i].id();
+                Candidate {
+                    id,
+                    matched: matches.get(id),
+                    load: loads.get(&id).copied().unwrap_or_default(),
+                    waiting: row.map(|r| r.waiting).unwrap_or(0.0),
+                    running: row.map(|r| r.running).unwrap_or(0.0),
+                    kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
+                    lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
+                    affinity: meta.affinity == Some(id),
+                }
+            })
+            .collect();
+        let blocks = hashed.blocks();
+        let agreed = if self.params.agree() {
+            agreed_below_lead(&self.index, store, hashed, &mut cands, &self.params)
+        } else {
+            None
+        };
+        let held = cands.iter().map(|c| c.matched).max().unwrap_or(0);
+        // New content below a shared trunk is placed like a new prefix.
+        let forked = agreed.unwrap_or_else(|| {
+            trunk_above(
+                matches.branch,
+                hashed,
+                &cands,
+                self.params.trunk_min_new_blocks,
+            )
+        });
+        // With instances that must agree, a lead may be just what this one
+        // saw of a longer session: the index decides as for any prefix.
+        let lead = (!self.params.agree())
+            .then(|| thin_lead(&cands, blocks, self.params.trunk_min_new_blocks))
+            .flatten();
+        // The home's count of recent sessions includes this one.
+        let home = lead.and_then(|l| cands.get_mut(l.home)).map(|c| {
+            c.load.branches = c.load.branches.saturating_sub(1);
+            c.id
+        });
+        let trunk = lead.map_or(forked, |l| forked.max(l.top));
+        // A new session is keyed where every replica's holding ends, as an
+        // instance that never saw its lead keys it.
+        let floor = if self.params.agree() {
+            hashed.lead_floor()
+        } else {
+            0
+        };
+        let key = hashed.placement(lead.map_or(held, |l| l.shared).max(floor));
+        let ranked = score::rank_below(&cands, blocks, trunk, key, &self.params);
+        let held = ranked
+            .order
+            .first()
+            .and_then(|&i| matches.blocks.get(&cands[i].id))
+            .copied()
+            .unwrap_or_default();
+        if let Some(d) = diagnostics {
+            d.requests = eligible
+                .iter()
+                .zip(&cands)
+                .map(|(&endpoint, c)| InFlight {
+                    endpoint,
+                    requests: c.load.requests,
+                })
+                .collect();
+            d.costs = ranked
+                .order
+                .iter()
+                .map(|&i| Cost {
+                    endpoint: eligible[i],
+                    cost: ranked.costs[i],
+                })
+                .collect();
+        }
+        Ok(Choice {
+            order: ranked.order.iter().map(|&i| eligible[i]).collect(),
+            reason: ranked.reason,
+            blocks,
+            matched: held.blocks,
+            stamped: held.stamped,
+            work: self.params.work_of(blocks, held.blocks),
+            matches,
+            home,
+        })
+    }
+
+    /// Shadow mode: route with the baseline instead, keeping our ranking for
+    /// the fallbacks and the stats. `seq` is this VM's request counter (the
+    /// round-robin position; per-VM round robin is what Envoy does too).
+    pub fn shadow(&self, choice: Choice, why: &Diagnostics, seq: u64) -> Shadow {
+        let ours = choice.order.first().copied().unwrap_or(0);
+        let ours_matched = choice.matched;
+        let requests = &why.requests;
+        let pick = match self.config.shadow_baseline {
+            Baseline::RoundRobin => {
+                let n = requests.len().max(1) as u64;
+                requests.get((seq % n) as usize).map(|r| r.endpoint)
+            }
+            Baseline::LeastRequest => {
+                // Fewest in flight; ties rotate with `seq` like Envoy's.
+                let min = requests.iter().map(|r| r.requests).min().unwrap_or(0);
+                let ties: Vec<usize> = requests
+                    .iter()
+                    .filter(|r| r.requests == min)
+                    .map(|r| r.endpoint)
+                    .collect();
+                ties.get((seq % ties.len().max(1) as u64) as usize).copied()
+            }
+        }
+        .unwrap_or(ours);
+        let mut order = vec![pick];
+        order.extend(choice.order.iter().copied().filter(|&i| i != pick));
+        let id = self.endpoints.get(pick).map(|e| e.id()).unwrap_or(0);
+        let held = choice.matches.blocks.get(&id).copied().unwrap_or_default();
+        let routed = Choice {
+            order,
+            matched: held.blocks,
+            stamped: held.stamped,
+            work: self.params.work_of(choice.blocks, held.blocks),
+            ..choice
+        };
+        Shadow {
+            routed,
+            ours,
+            ours_matched,
+        }
+    }
+
+    /// Every eligible replica with fresh metrics is over a threshold (and
+    /// at least one has metrics: without scraping nothing is "saturated").
+    fn saturated(&self, rows: &[Option<&Row>]) -> bool {
+        let over = |r: &Row| {
+            r.waiting as f64 > self.config.queue_threshold
+                || r.kv_usage as f64 > self.config.kv_threshold
+        };
+        rows.iter().all(|r| r.is_some_and(over)) && !rows.is_empty()
+    }
+
+    /// The destination header value: the pick, then up to `max_fallbacks`
+    /// next-best replicas, comma-separated (override_host retries in order).
+    pub fn header_value(&self, choice: &Choice) -> String {
+        choice
+            .order
+            .iter()
+            .take(1 + self.config.max_fallbacks)
+            .filter_map(|&i| self.endpoint(i))
+            .map(Endpoint::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Record the pick: in-flight work now, index entries for its prefix.
+    pub fn commit<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        board: &mut LoadBoard,
+        choice: &Choice,
+        hashed: &Hashed,
+        now_ms: u64,
+    ) -> RecordStats {
+        let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
+            return RecordStats::default();
+        };
+        // New content placed there, for spreading later new content: all
+        // the pick didn't hold, a copy of a shared trunk included. That is
+        // a real prefill, and each replica's first copy counts once; left
+        // out, only the trunk's first holder was charged for it and it got
+        // a fraction of the documents that followed.
+        let new_blocks = choice.blocks.saturating_sub(choice.matched);
+        let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
+        if let Some(home) = choice.home {
+            // A session placed anew counts once: where it stays, or where
+            // it moved to (and no longer where it was).
+            branch &= home != ep.id();
+            if branch {
+                board.withdraw_branch(home);
+            }
+        }
+        board.start(store, ep.id(), choice.work, new_blocks, branch, now_ms);
+        if hashed.is_empty() {
+            return RecordStats::default();
+        }
+        if let Some(b) = &choice.matches.branch {
+            self.index.note_branch(store, &hashed.checkpoints, b);
+        }
+        let now_s = (now_ms / 1000) as u32;
+        self.index.record(
+            store,
+            &hashed.checkpoints,
+            ep.id(),
+            choice.matched,
+            choice.stamped,
+            now_s,
+        )
+    }
+
+    /// A human-readable account of the decision, for the debug header.
+    pub fn explain(&self, choice: &Choice, why: &Diagnostics) -> String {
+        let pick = choice.order.first().and_then(|&i| self.endpoint(i));
+        let costs: Vec<String> = why
+            .costs
+            .iter()
+            .filter_map(|c| {
+                let e = self.endpoint(c.endpoint)?;
+                Some(format!(
+                    "{}={:.1}/{}",
+                    e.as_str(),
+                    c.cost,
+                    choice.matches.get(e.id())
+                ))
+            })
+            .collect();
+        format!(
+            "replica={}; reason={}; matched={}/{}; cost/matched: {}",
+            pick.map(Endpoint::as_str).unwrap_or("-"),
+            choice.reason.as_str(),
+            choice.matched,
+            choice.blocks,
+            costs.join(" ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;
