@@ -96,10 +96,10 @@ pub(super) fn trunk_above(
 /// would place that content on (`score::agreed_homes`, keyed at the first
 /// checkpoint past the trunk): the first of its two rendezvous candidates,
 /// or either while the first is the busier by more than one request's
-/// work; any other holder is credited with the trunk alone. `None`: the rule doesn't apply; `Some(0)`: an agreed
-/// replica still holds more; `Some(t)`: nobody agreed does, so the request
-/// is new content below a trunk of `t` blocks and goes where every
-/// instance puts it.
+/// work; any other holder is credited with the trunk alone. `None`: the
+/// rule doesn't apply; `Some(0)`: an agreed replica still holds more;
+/// `Some(t)`: nobody agreed does, so the request is new content below a
+/// trunk of `t` blocks and goes where every instance puts it.
 ///
 /// A session can be held elsewhere by an instance that sent its first
 /// turn elsewhere: a first message too short to be new content below the
@@ -108,8 +108,8 @@ pub(super) fn trunk_above(
 /// checkpoint past the trunk), a first turn that found both replicas over
 /// the load bound spilled further, and one that found the first busy went
 /// to the second. Another instance looks for the session on the first
-/// unless that one is busy, so each instance followed what it had learned and the
-/// session alternated between two replicas for its whole life,
+/// unless that one is busy, so each instance followed what it had learned,
+/// and the session alternated between two replicas for its whole life,
 /// re-prefilling the turns the other one served (agentic, 3 instances:
 /// 2-5 of 8 sessions). Moved once, it stays. (Before requests were keyed
 /// past their preamble, `Hashed::lead_floor`, this also mended each
