@@ -14,7 +14,7 @@ pub struct Hashed {
     /// developer and tool messages); 0 without such a preamble.
     pub lead_blocks: u32,
     /// A conversation's or agent session's later turn: more than one
-    /// message of its own (see [`agreed_below_lead`]).
+    /// message of its own (see `trunk::agreed_below_lead`).
     pub later_turn: bool,
 }
 
