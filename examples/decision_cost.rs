@@ -3,6 +3,11 @@
 //! --target wasm32-wasip1` (under wasmtime, see .cargo/config.toml), or
 //! natively without `--target`. Median of many runs per size, in µs.
 //! Criterion can't run inside wasm; this is its small stand-in there.
+//!
+//! `decision_cost SHAPE BYTES N` instead parses and hashes one body (shape
+//! `plain`, `escaped` or `agent`) N times and prints nothing: for counting
+//! instructions, which a noisy machine doesn't change (`valgrind
+//! --tool=callgrind`, run with N and with 0, and take the difference).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -78,7 +83,23 @@ fn median_us(runs: usize, mut f: impl FnMut()) -> f64 {
     t[t.len() / 2]
 }
 
+fn body_of(shape: &str, size: usize) -> String {
+    match shape {
+        "agent" => agent_body(size),
+        s => body(size, s == "escaped"),
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [shape, size, n] = &args[..] {
+        let cfg = Config::parse(br#"{"endpoints":["10.0.0.1:8000"]}"#).expect("config");
+        let b = body_of(shape, size.parse().expect("BYTES"));
+        for _ in 0..n.parse::<usize>().expect("N") {
+            std::hint::black_box(Hashed::parse(std::hint::black_box(b.as_bytes()), &cfg).unwrap());
+        }
+        return;
+    }
     let eps: Vec<String> = (1..=8).map(|i| format!("\"10.0.0.{i}:8000\"")).collect();
     let cfg = format!(r#"{{"endpoints":[{}]}}"#, eps.join(","));
     let r = Router::new(Config::parse(cfg.as_bytes()).expect("config"));
@@ -92,10 +113,7 @@ fn main() {
         .into_iter()
         .flat_map(|e| sizes.map(|s| (e, s)))
     {
-        let b = match shape {
-            "agent" => agent_body(size),
-            s => body(size, s == "escaped"),
-        };
+        let b = body_of(shape, size);
         let runs = if size > 300_000 { 60 } else { 200 };
         let json = median_us(runs, || {
             std::hint::black_box(

@@ -5,13 +5,11 @@
 //! At most `cap` bytes of the rendered prompt are kept (the filter passes
 //! `max_body_bytes`: a prompt's identity reaches its end, see `prefix`).
 
-use std::borrow::Cow;
+mod body;
+mod json;
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
-mod shapes;
-use shapes::Text;
+use body::{Content, InputField, PromptField};
+pub use json::JsonError;
 use thiserror::Error;
 
 /// Longest model name kept; longer names are cut (they only seed hashes).
@@ -20,7 +18,7 @@ const MAX_MODEL_BYTES: usize = 256;
 #[derive(Debug, Error)]
 pub enum ParseError {
     #[error("body is not a JSON object of the expected shape: {0}")]
-    Json(#[from] serde_json::Error),
+    Json(#[from] JsonError),
     #[error("body has none of `prompt`, `messages` or `input`")]
     NoPrompt,
 }
@@ -38,75 +36,6 @@ pub struct Prompt {
     pub lead_bytes: usize,
     /// Messages in it (see [`Header::own_messages`]).
     pub own_messages: u32,
-}
-
-#[derive(Deserialize)]
-struct Body<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    cache_salt: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    prompt: Option<PromptField<'a>>,
-    #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    functions: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    instructions: Option<Text<'a>>,
-    #[serde(borrow, default)]
-    input: Option<InputField<'a>>,
-}
-
-enum PromptField<'a> {
-    Text(Text<'a>),
-    Texts(Vec<Text<'a>>),
-    Tokens(Vec<i64>),
-    TokenBatch(Vec<Vec<i64>>),
-}
-
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<Content<'a>>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-}
-
-enum Content<'a> {
-    Text(Text<'a>),
-    Parts(Vec<Part<'a>>),
-}
-
-/// A content part. Non-text parts (images, audio) have no `text` and are
-/// skipped: their bytes don't identify a text prefix.
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default)]
-    text: Option<Text<'a>>,
-}
-
-enum InputField<'a> {
-    Text(Text<'a>),
-    Items(Vec<InputItem<'a>>),
-}
-
-#[derive(Deserialize)]
-struct InputItem<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(rename = "type", borrow, default)]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<Content<'a>>,
-    #[serde(borrow, default)]
-    arguments: Option<Text<'a>>,
-    #[serde(borrow, default)]
-    output: Option<Text<'a>>,
 }
 
 /// Where rendered prompt bytes go: a buffer (`extract`), or straight into
@@ -168,7 +97,7 @@ pub fn extract_into<S: Sink>(
     cap: usize,
     make: impl FnOnce(&Header) -> S,
 ) -> Result<(Header, S), ParseError> {
-    let b: Body = serde_json::from_slice(body)?;
+    let b = body::read(body)?;
     let mut header = Header {
         model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
         cache_salt: b
@@ -192,26 +121,24 @@ pub fn extract_into<S: Sink>(
             out.message(
                 m.role.as_deref().unwrap_or(""),
                 m.content.as_ref(),
-                m.tool_calls.map(raw),
+                m.tool_calls,
             );
         }
     } else if let Some(p) = &b.prompt {
         render_prompt(&mut out, p);
     } else if b.input.is_some() || b.instructions.is_some() {
         render_tools(&mut out, b.tools, None);
-        if let Some(i) = &b.instructions {
-            out.message("instructions", Some(&Content::Text(i.borrowed())), None);
+        if let Some(i) = b.instructions {
+            out.message("instructions", Some(&Content::Text(i)), None);
         }
         match &b.input {
-            Some(InputField::Text(t)) => {
-                out.message("user", Some(&Content::Text(t.borrowed())), None)
-            }
+            Some(InputField::Text(t)) => out.message("user", Some(&Content::Text(t)), None),
             Some(InputField::Items(items)) => {
                 for it in items {
                     let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
                     out.message(role, it.content.as_ref(), None);
-                    for extra in [&it.arguments, &it.output].into_iter().flatten() {
-                        out.message(role, Some(&Content::Text(extra.borrowed())), None);
+                    for extra in [it.arguments, it.output].into_iter().flatten() {
+                        out.message(role, Some(&Content::Text(extra)), None);
                     }
                 }
             }
@@ -227,13 +154,13 @@ pub fn extract_into<S: Sink>(
 
 fn render_prompt<S: Sink>(out: &mut Render<S>, p: &PromptField) {
     match p {
-        PromptField::Text(t) => out.push(&t.0),
+        PromptField::Text(t) => out.push(t),
         PromptField::Texts(ts) => {
             for (i, t) in ts.iter().enumerate() {
                 if i > 0 {
                     out.push(b"\n");
                 }
-                out.push(&t.0);
+                out.push(t);
             }
         }
         PromptField::Tokens(ids) => out.tokens(ids),
@@ -248,24 +175,16 @@ fn render_prompt<S: Sink>(out: &mut Render<S>, p: &PromptField) {
     }
 }
 
-fn render_tools<S: Sink>(out: &mut Render<S>, tools: Option<&RawValue>, funcs: Option<&RawValue>) {
+/// Tool definitions render first, verbatim: one agent framework sends
+/// the same tools the same way every time, and the model server's chat
+/// template renders them in the order sent too. Re-serialising them in a
+/// canonical key order (a `Value` tree per request) was 140 of the 158 µs
+/// a 22 KB agent turn took to parse and hash natively
+/// (`examples/decision_cost.rs`, shape `agent`).
+fn render_tools<S: Sink>(out: &mut Render<S>, tools: Option<&[u8]>, funcs: Option<&[u8]>) {
     for v in [tools, funcs].into_iter().flatten() {
-        out.message(
-            "tools",
-            Some(&Content::Text(Text(Cow::Borrowed(raw(v))))),
-            None,
-        );
+        out.message("tools", Some(&Content::Text(v)), None);
     }
-}
-
-/// A JSON value as the body spells it. Tool definitions and calls render
-/// verbatim: one agent framework sends the same tools the same way every
-/// time, and the model server's chat template renders them in the order
-/// sent too. Re-serialising them in a canonical key order (a `Value` tree
-/// per request) was 140 of the 158 µs a 22 KB agent turn took to parse and
-/// hash natively (`examples/decision_cost.rs`, shape `agent`).
-fn raw(v: &RawValue) -> &[u8] {
-    v.get().as_bytes()
 }
 
 /// The renderer: writes the prompt to a sink, stopping at `cap` bytes.
@@ -338,10 +257,10 @@ impl<S: Sink> Render<S> {
             self.own = self.own.saturating_add(1);
         }
         match content {
-            Some(Content::Text(t)) => self.push(&t.0),
+            Some(Content::Text(t)) => self.push(t),
             Some(Content::Parts(parts)) => {
-                for t in parts.iter().filter_map(|p| p.text.as_ref()) {
-                    self.push(&t.0);
+                for t in parts {
+                    self.push(t);
                 }
             }
             None => {}
@@ -354,12 +273,8 @@ impl<S: Sink> Render<S> {
 
 fn content_len(c: Option<&Content>) -> usize {
     match c {
-        Some(Content::Text(t)) => t.0.len(),
-        Some(Content::Parts(parts)) => parts
-            .iter()
-            .filter_map(|p| p.text.as_ref())
-            .map(|t| t.0.len())
-            .sum(),
+        Some(Content::Text(t)) => t.len(),
+        Some(Content::Parts(parts)) => parts.iter().map(|t| t.len()).sum(),
         None => 0,
     }
 }
@@ -390,13 +305,31 @@ mod tests {
         assert_eq!(text(r#"{"prompt":[1,22,333]}"#), b"1 22 333");
         assert_eq!(text(r#"{"prompt":[[1,2],[3]]}"#), b"1 2\n3");
         assert_eq!(text(r#"{"prompt":[]}"#), b"");
-        // Escaped strings (unescaped by serde_json, then owned) render the
-        // same bytes as their verbatim spelling (borrowed from the body).
-        assert_eq!(text(r#"{"prompt":"a\nb\u00e9"}"#), "a\nbé".as_bytes());
-        assert_eq!(text(r#"{"prompt":["a\"b"]}"#), b"a\"b");
+        // Text renders as the body spells it, escapes and all: the same
+        // text sent the same way renders alike, and a quote inside can't
+        // end the string early.
+        assert_eq!(text(r#"{"prompt":"a\nb\u00e9"}"#), br"a\nb\u00e9");
+        assert_eq!(text(r#"{"prompt":["a\"b\\"]}"#), br#"a\"b\\"#);
         assert_eq!(
             text(r#"{"messages":[{"role":"user","content":"x\u0041y"}]}"#),
+            text(r#"{"messages":[{"role":"user","content":"x\u0041y"}]}"#)
+        );
+        // Two spellings of one text are two prompts (one client spells a
+        // prompt one way every time; see `json` for why).
+        assert_ne!(
+            text(r#"{"messages":[{"role":"user","content":"x\u0041y"}]}"#),
             text(r#"{"messages":[{"role":"user","content":"xAy"}]}"#)
+        );
+        // Names are decoded: an escaped key or role is the same name.
+        assert_eq!(
+            text(r#"{"m\u0065ssages":[{"r\u006fle":"\u0075ser","content":"hi"}]}"#),
+            text(r#"{"messages":[{"role":"user","content":"hi"}]}"#)
+        );
+        assert_eq!(
+            extract(br#"{"model":"ll\u0061ma","prompt":"x"}"#, 9)
+                .unwrap()
+                .model,
+            "llama"
         );
         let p = extract(br#"{"model":"llama","prompt":"x","cache_salt":"s1"}"#, 10).unwrap();
         assert_eq!(p.model, "llama");
@@ -410,21 +343,68 @@ mod tests {
         let mut body = br#"{"prompt":"a"#.to_vec();
         body.extend_from_slice(b"\xff\x01b\"}");
         assert_eq!(extract(&body, 100).unwrap().text, b"a\xff\x01b");
-        assert_eq!(text(r#"{"prompt":"x\ud800"}"#), b"x\xed\xa0\x80");
-        // Every text field, escaped or verbatim, renders the same bytes.
+        assert_eq!(text(r#"{"prompt":"x\ud800"}"#), br"x\ud800");
+        // Every text field renders its bytes as spelled.
         let chat = |s: &str| {
             text(&format!(
                 r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"{s}"}}]}}]}}"#
             ))
         };
-        assert_eq!(chat(r"a\nb\u00e9"), chat("a\nbé"));
+        assert_eq!(chat(r"a\nb\u00e9"), b"\x1euser\x1f4\x1fa\\nb\\u00e9\x1f10");
         assert_eq!(
             text(r#"{"instructions":"s\ty","input":[{"type":"function_call","arguments":"{\"k\":1}"}]}"#),
-            "\x1einstructions\x1f12\x1fs\ty\x1f3\x1efunction_call\x1f13\x1f\x1f0\x1efunction_call\x1f13\x1f{\"k\":1}\x1f7"
+            "\x1einstructions\x1f12\x1fs\\ty\x1f4\x1efunction_call\x1f13\x1f\x1f0\x1efunction_call\x1f13\x1f{\\\"k\\\":1}\x1f9"
                 .as_bytes()
         );
         // Names stay strings: a model name that is no string is an error.
         assert!(extract(br#"{"model":5,"prompt":"x"}"#, 100).is_err());
+    }
+
+    #[test]
+    fn generated_chat_bodies_render_their_text_as_spelled() {
+        // Messages whose text strings escapes of every kind together
+        // (backslash runs, escaped quotes before and after them, \u
+        // escapes, raw UTF-8, brackets), fields in any order around
+        // unknown fields of nested values, with whitespace between
+        // tokens: the rendering is the framing around each text exactly
+        // as the body spells it.
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let mut next = move |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        let pieces = [
+            "a", r#"\""#, r"\\", r#"\\\""#, r"\n", r"\u00e9", "é", " ", "{", "]", r"\/", ":",
+        ];
+        let junk = [
+            r#""name":"x\"y""#,
+            r#""extra" : {"a":[1, 2.5e3, {"b":"\"]\\"}], "c":null}"#,
+            r#""n":-0.5"#,
+        ];
+        for _ in 0..500 {
+            let (mut msgs, mut want) = (Vec::new(), Vec::new());
+            for _ in 0..1 + next(4) {
+                let text: String = (0..next(200)).map(|_| pieces[next(pieces.len())]).collect();
+                let role = ["user", "assistant", "system"][next(3)];
+                let mut fields = [
+                    format!(r#""role":"{role}""#),
+                    format!("\"content\" :\n \"{text}\""),
+                    junk[next(junk.len())].to_string(),
+                ];
+                fields.rotate_left(next(3));
+                msgs.push(format!("{{ {} }}", fields.join(" ,\t")));
+                want.extend_from_slice(
+                    format!("\x1e{role}\x1f{}\x1f{text}\x1f{}", role.len(), text.len()).as_bytes(),
+                );
+            }
+            let body = format!(
+                r#"{{"model":"m", "messages": [{}], "stream":true}}"#,
+                msgs.join(",")
+            );
+            assert_eq!(text(&body), want, "{body}");
+        }
     }
 
     #[test]
@@ -591,7 +571,7 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
-        // Deep nesting where we parse: serde_json's depth limit answers.
+        // Deep nesting where we parse is the wrong shape.
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         let body = format!(r#"{{"prompt":{deep}}}"#);
         assert!(extract(body.as_bytes(), 100).is_err());

@@ -1,0 +1,254 @@
+//! The fields of an OpenAI-style body that routing reads, walked with the
+//! [`Reader`]; every other field is skipped. Prompt text stays as the body
+//! spells it (see `json`); names (`model`, `role`) are decoded.
+//!
+//! The shapes follow the OpenAI API: a field may be a string or an array
+//! (`prompt`, `content`, `input`), `null` is the same as absent, a key
+//! given twice counts the last time (as the model server's JSON parser
+//! does), and a value of the wrong type makes the body an error (it is
+//! routed by load alone).
+
+use std::borrow::Cow;
+
+use super::json::{JsonError, Reader};
+
+/// Prompt text as the body spells it (escapes kept).
+pub(super) type Text<'a> = &'a [u8];
+
+#[derive(Default)]
+pub(super) struct Body<'a> {
+    pub model: Option<Cow<'a, str>>,
+    pub cache_salt: Option<Cow<'a, str>>,
+    pub prompt: Option<PromptField<'a>>,
+    pub messages: Option<Vec<Message<'a>>>,
+    /// Tool definitions (and the older `functions`), as spelled.
+    pub tools: Option<&'a [u8]>,
+    pub functions: Option<&'a [u8]>,
+    pub instructions: Option<Text<'a>>,
+    pub input: Option<InputField<'a>>,
+}
+
+/// A completions `prompt`: a string, strings, token ids, or batches of
+/// token ids (an array of one kind only).
+pub(super) enum PromptField<'a> {
+    Text(Text<'a>),
+    Texts(Vec<Text<'a>>),
+    Tokens(Vec<i64>),
+    TokenBatch(Vec<Vec<i64>>),
+}
+
+pub(super) struct Message<'a> {
+    pub role: Option<Cow<'a, str>>,
+    pub content: Option<Content<'a>>,
+    /// An assistant's tool calls, as spelled.
+    pub tool_calls: Option<&'a [u8]>,
+}
+
+pub(super) enum Content<'a> {
+    Text(Text<'a>),
+    /// The text of each text part. Other parts (images, audio) have no
+    /// `text` and are left out: their bytes don't identify a text prefix.
+    Parts(Vec<Text<'a>>),
+}
+
+/// The Responses API's `input`.
+pub(super) enum InputField<'a> {
+    Text(Text<'a>),
+    Items(Vec<InputItem<'a>>),
+}
+
+pub(super) struct InputItem<'a> {
+    pub role: Option<Cow<'a, str>>,
+    pub kind: Option<Cow<'a, str>>,
+    pub content: Option<Content<'a>>,
+    pub arguments: Option<Text<'a>>,
+    pub output: Option<Text<'a>>,
+}
+
+/// Reads a whole body.
+pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
+    let mut r = Reader::new(body);
+    let mut b = Body::default();
+    r.object(|r, key| {
+        match &*key.key(r.at())? {
+            b"model" => b.model = nullable(r, name)?,
+            b"cache_salt" => b.cache_salt = nullable(r, name)?,
+            b"prompt" => b.prompt = nullable(r, prompt)?,
+            b"messages" => b.messages = nullable(r, |r| list(r, message))?,
+            b"tools" => b.tools = nullable(r, Reader::skip)?,
+            b"functions" => b.functions = nullable(r, Reader::skip)?,
+            b"instructions" => b.instructions = nullable(r, text)?,
+            b"input" => b.input = nullable(r, input)?,
+            _ => {
+                r.skip()?;
+            }
+        }
+        Ok(())
+    })?;
+    r.end()?;
+    Ok(b)
+}
+
+/// `null` as `None`, else the value `f` reads.
+fn nullable<'a, T>(
+    r: &mut Reader<'a>,
+    f: impl FnOnce(&mut Reader<'a>) -> Result<T, JsonError>,
+) -> Result<Option<T>, JsonError> {
+    if r.null()? {
+        return Ok(None);
+    }
+    f(r).map(Some)
+}
+
+fn list<'a, T>(
+    r: &mut Reader<'a>,
+    mut f: impl FnMut(&mut Reader<'a>) -> Result<T, JsonError>,
+) -> Result<Vec<T>, JsonError> {
+    let mut out = Vec::new();
+    r.array(|r| {
+        out.push(f(r)?);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+fn name<'a>(r: &mut Reader<'a>) -> Result<Cow<'a, str>, JsonError> {
+    let at = r.at();
+    r.string()?.name(at)
+}
+
+fn text<'a>(r: &mut Reader<'a>) -> Result<Text<'a>, JsonError> {
+    Ok(r.string()?.raw())
+}
+
+fn message<'a>(r: &mut Reader<'a>) -> Result<Message<'a>, JsonError> {
+    let mut m = Message {
+        role: None,
+        content: None,
+        tool_calls: None,
+    };
+    r.object(|r, key| {
+        match &*key.key(r.at())? {
+            b"role" => m.role = nullable(r, name)?,
+            b"content" => m.content = nullable(r, content)?,
+            b"tool_calls" => m.tool_calls = nullable(r, Reader::skip)?,
+            _ => {
+                r.skip()?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(m)
+}
+
+fn content<'a>(r: &mut Reader<'a>) -> Result<Content<'a>, JsonError> {
+    match r.peek() {
+        Some(b'"') => text(r).map(Content::Text),
+        Some(b'[') => {
+            let parts = list(r, part)?;
+            Ok(Content::Parts(parts.into_iter().flatten().collect()))
+        }
+        _ => Err(r.error("a string or an array of content parts")),
+    }
+}
+
+/// A content part's text, if it has one.
+fn part<'a>(r: &mut Reader<'a>) -> Result<Option<Text<'a>>, JsonError> {
+    let mut t = None;
+    r.object(|r, key| {
+        if *key.key(r.at())? == *b"text" {
+            t = nullable(r, text)?;
+        } else {
+            r.skip()?;
+        }
+        Ok(())
+    })?;
+    Ok(t)
+}
+
+fn input<'a>(r: &mut Reader<'a>) -> Result<InputField<'a>, JsonError> {
+    match r.peek() {
+        Some(b'"') => text(r).map(InputField::Text),
+        Some(b'[') => list(r, input_item).map(InputField::Items),
+        _ => Err(r.error("a string or an array of input items")),
+    }
+}
+
+fn input_item<'a>(r: &mut Reader<'a>) -> Result<InputItem<'a>, JsonError> {
+    let mut it = InputItem {
+        role: None,
+        kind: None,
+        content: None,
+        arguments: None,
+        output: None,
+    };
+    r.object(|r, key| {
+        match &*key.key(r.at())? {
+            b"role" => it.role = nullable(r, name)?,
+            b"type" => it.kind = nullable(r, name)?,
+            b"content" => it.content = nullable(r, content)?,
+            b"arguments" => it.arguments = nullable(r, text)?,
+            b"output" => it.output = nullable(r, text)?,
+            _ => {
+                r.skip()?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(it)
+}
+
+/// One element of a completions `prompt` array.
+enum Element<'a> {
+    Text(Text<'a>),
+    Token(i64),
+    Tokens(Vec<i64>),
+}
+
+fn prompt<'a>(r: &mut Reader<'a>) -> Result<PromptField<'a>, JsonError> {
+    match r.peek() {
+        Some(b'"') => text(r).map(PromptField::Text),
+        Some(b'[') => {
+            let at = r.at();
+            let items = list(r, element)?;
+            of_one_kind(items).ok_or(JsonError {
+                at,
+                expected: "a prompt array of one kind",
+            })
+        }
+        _ => Err(r.error("a string, an array of strings, token ids or token id arrays")),
+    }
+}
+
+fn element<'a>(r: &mut Reader<'a>) -> Result<Element<'a>, JsonError> {
+    match r.peek() {
+        Some(b'"') => text(r).map(Element::Text),
+        Some(b'[') => list(r, Reader::int).map(Element::Tokens),
+        _ => r.int().map(Element::Token),
+    }
+}
+
+fn of_one_kind(items: Vec<Element<'_>>) -> Option<PromptField<'_>> {
+    match items.first() {
+        None | Some(Element::Text(_)) => all(items, |e| match e {
+            Element::Text(t) => Some(t),
+            _ => None,
+        })
+        .map(PromptField::Texts),
+        Some(Element::Token(_)) => all(items, |e| match e {
+            Element::Token(t) => Some(t),
+            _ => None,
+        })
+        .map(PromptField::Tokens),
+        Some(Element::Tokens(_)) => all(items, |e| match e {
+            Element::Tokens(t) => Some(t),
+            _ => None,
+        })
+        .map(PromptField::TokenBatch),
+    }
+}
+
+/// Every element unwrapped by `f`, or `None` if one is of another kind.
+fn all<'a, T>(items: Vec<Element<'a>>, f: impl Fn(Element<'a>) -> Option<T>) -> Option<Vec<T>> {
+    items.into_iter().map(f).collect()
+}
