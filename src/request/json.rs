@@ -24,6 +24,11 @@ use std::borrow::Cow;
 
 use thiserror::Error;
 
+/// Deepest nesting walked. Python's `json` (the model servers') fails
+/// near 1,000 levels, so a deeper body can't be served anyway; the cap
+/// bounds the nesting stack at 1 KiB whatever the body's size.
+const MAX_DEPTH: usize = 1024;
+
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("expected {expected} at byte {at}")]
 pub struct JsonError {
@@ -224,7 +229,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Any value, returned as the body spells it. Nesting is tracked on
-    /// the heap, not the stack, so any depth is walked.
+    /// the heap, not the stack, up to [`MAX_DEPTH`] levels.
     pub(super) fn skip(&mut self) -> Result<&'a [u8], JsonError> {
         self.ws();
         let start = self.at;
@@ -232,6 +237,7 @@ impl<'a> Reader<'a> {
         'value: loop {
             match self.peek() {
                 Some(b'{') => {
+                    self.nest(&open)?;
                     self.at += 1;
                     if !self.eat(b'}') {
                         open.push(b'}');
@@ -240,6 +246,7 @@ impl<'a> Reader<'a> {
                     }
                 }
                 Some(b'[') => {
+                    self.nest(&open)?;
                     self.at += 1;
                     if !self.eat(b']') {
                         open.push(b']');
@@ -267,6 +274,14 @@ impl<'a> Reader<'a> {
             }
             return Ok(self.b.get(start..self.at).unwrap_or_default());
         }
+    }
+
+    /// Room for one more level inside the `open` ones.
+    fn nest(&self, open: &[u8]) -> Result<(), JsonError> {
+        if open.len() >= MAX_DEPTH {
+            return Err(self.error("nesting at most 1024 deep"));
+        }
+        Ok(())
     }
 
     fn literal(&mut self) -> Result<(), JsonError> {
@@ -646,9 +661,11 @@ mod tests {
         ] {
             assert!(skip(bad).is_err(), "{bad}");
         }
-        // Any depth, without recursion.
-        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
-        assert_eq!(skip(&deep).map(|s| s.len()), Ok(200_000));
+        // Deep, without recursion, to a bound.
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        assert_eq!(skip(&deep(MAX_DEPTH)).map(|s| s.len()), Ok(2 * MAX_DEPTH));
+        assert!(skip(&deep(MAX_DEPTH + 1)).is_err());
+        assert!(skip(&deep(100_000)).is_err());
     }
 
     #[test]

@@ -221,7 +221,7 @@ impl<S: Sink> Render<S> {
             if i > 0 {
                 self.push(b" ");
             }
-            self.push(id.to_string().as_bytes());
+            self.push(itoa::Buffer::new().format(*id).as_bytes());
         }
     }
 
@@ -244,7 +244,7 @@ impl<S: Sink> Render<S> {
         self.push(b"\x1e");
         self.push(role.as_bytes());
         self.push(b"\x1f");
-        self.push(role.len().to_string().as_bytes());
+        self.push(itoa::Buffer::new().format(role.len()).as_bytes());
         self.push(b"\x1f");
         if self.lead.is_none() {
             if is_preamble(role) {
@@ -267,7 +267,7 @@ impl<S: Sink> Render<S> {
         }
         self.push(calls);
         self.push(b"\x1f");
-        self.push(len.to_string().as_bytes());
+        self.push(itoa::Buffer::new().format(len).as_bytes());
     }
 }
 
@@ -575,9 +575,13 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         let body = format!(r#"{{"prompt":{deep}}}"#);
         assert!(extract(body.as_bytes(), 100).is_err());
-        // Deep nesting in a field we skip is walked without recursion.
-        let body = format!(r#"{{"prompt":"x","extra":{deep}}}"#);
+        // Deep nesting in a field we skip is walked without recursion, to
+        // 1,024 levels (no model server parses deeper).
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let body = format!(r#"{{"prompt":"x","extra":{{"a":{}}}}}"#, deep(1023));
         assert_eq!(extract(body.as_bytes(), 100).unwrap().text, b"x");
+        let body = format!(r#"{{"prompt":"x","extra":{}}}"#, deep(10_000));
+        assert!(extract(body.as_bytes(), 100).is_err());
     }
 
     #[test]
