@@ -129,7 +129,8 @@ impl<'a> Reader<'a> {
         hit
     }
 
-    fn expect(&mut self, c: u8, what: &'static str) -> Result<(), JsonError> {
+    /// Consumes `c`, or fails saying `what` was expected there.
+    fn require(&mut self, c: u8, what: &'static str) -> Result<(), JsonError> {
         if self.eat(c) {
             Ok(())
         } else {
@@ -173,7 +174,7 @@ impl<'a> Reader<'a> {
         &mut self,
         mut f: impl FnMut(&mut Self, Str<'a>) -> Result<(), JsonError>,
     ) -> Result<(), JsonError> {
-        self.expect(b'{', "an object")?;
+        self.require(b'{', "an object")?;
         if self.eat(b'}') {
             return Ok(());
         }
@@ -181,7 +182,7 @@ impl<'a> Reader<'a> {
             let key = self.key()?;
             f(self, key)?;
             if !self.eat(b',') {
-                return self.expect(b'}', "`,` or `}`");
+                return self.require(b'}', "`,` or `}`");
             }
         }
     }
@@ -191,21 +192,21 @@ impl<'a> Reader<'a> {
         &mut self,
         mut f: impl FnMut(&mut Self) -> Result<(), JsonError>,
     ) -> Result<(), JsonError> {
-        self.expect(b'[', "an array")?;
+        self.require(b'[', "an array")?;
         if self.eat(b']') {
             return Ok(());
         }
         loop {
             f(self)?;
             if !self.eat(b',') {
-                return self.expect(b']', "`,` or `]`");
+                return self.require(b']', "`,` or `]`");
             }
         }
     }
 
     fn key(&mut self) -> Result<Str<'a>, JsonError> {
         let k = self.string()?;
-        self.expect(b':', "`:`")?;
+        self.require(b':', "`:`")?;
         Ok(k)
     }
 
@@ -269,7 +270,7 @@ impl<'a> Reader<'a> {
                     }
                     continue 'value;
                 }
-                self.expect(close, "`,` or a closing bracket")?;
+                self.require(close, "`,` or a closing bracket")?;
                 open.pop();
             }
             return Ok(self.b.get(start..self.at).unwrap_or_default());
