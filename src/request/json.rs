@@ -17,8 +17,10 @@
 //!
 //! The grammar is JSON's (RFC 8259) apart from what hashing doesn't need
 //! checked: escapes inside strings and control characters in them are not
-//! validated (the model server rejects such a body). Skipping nests
-//! without recursion; nothing here can overflow the stack.
+//! validated, and an object or array the filter skips is only measured
+//! (its strings close, its brackets balance; see [`container_end`]). The
+//! model server rejects such a body. Nothing here recurses, so nothing
+//! can overflow the stack.
 
 use std::borrow::Cow;
 
@@ -229,60 +231,22 @@ impl<'a> Reader<'a> {
             })
     }
 
-    /// Any value, returned as the body spells it. Nesting is tracked on
-    /// the heap, not the stack, up to [`MAX_DEPTH`] levels.
+    /// Any value, returned as the body spells it. An object or array is
+    /// only checked for its extent (see [`container_end`]).
     pub(super) fn skip(&mut self) -> Result<&'a [u8], JsonError> {
         self.ws();
         let start = self.at;
-        let mut open: Vec<u8> = Vec::new();
-        'value: loop {
-            match self.peek() {
-                Some(b'{') => {
-                    self.nest(&open)?;
-                    self.at += 1;
-                    if !self.eat(b'}') {
-                        open.push(b'}');
-                        self.key()?;
-                        continue 'value;
-                    }
-                }
-                Some(b'[') => {
-                    self.nest(&open)?;
-                    self.at += 1;
-                    if !self.eat(b']') {
-                        open.push(b']');
-                        continue 'value;
-                    }
-                }
-                Some(b'"') => {
-                    self.string()?;
-                }
-                Some(b'-' | b'0'..=b'9') => {
-                    self.number()?;
-                }
-                _ => self.literal()?,
+        match self.b.get(start) {
+            Some(b'{' | b'[') => self.at = container_end(self.b, start)?,
+            Some(b'"') => {
+                self.string()?;
             }
-            // After a value: close what it ended, or go on to the next.
-            while let Some(&close) = open.last() {
-                if self.eat(b',') {
-                    if close == b'}' {
-                        self.key()?;
-                    }
-                    continue 'value;
-                }
-                self.require(close, "`,` or a closing bracket")?;
-                open.pop();
+            Some(b'-' | b'0'..=b'9') => {
+                self.number()?;
             }
-            return Ok(self.b.get(start..self.at).unwrap_or_default());
+            _ => self.literal()?,
         }
-    }
-
-    /// Room for one more level inside the `open` ones.
-    fn nest(&self, open: &[u8]) -> Result<(), JsonError> {
-        if open.len() >= MAX_DEPTH {
-            return Err(self.error("nesting at most 1024 deep"));
-        }
-        Ok(())
+        Ok(self.b.get(start..self.at).unwrap_or_default())
     }
 
     fn literal(&mut self) -> Result<(), JsonError> {
@@ -339,14 +303,29 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A class of bytes a block mask marks: the bytes `c` with `c | or == x`.
+/// `or = 0x20` folds `[` onto `{` and `]` onto `}`: they differ only in
+/// that bit, and no other byte lands on either.
+#[derive(Debug, Clone, Copy)]
+struct Class {
+    x: u8,
+    or: u8,
+}
+
+const QUOTE: Class = Class { x: b'"', or: 0 };
+const SLASH: Class = Class { x: b'\\', or: 0 };
+const OPEN: Class = Class { x: b'{', or: 0x20 };
+const CLOSE: Class = Class { x: b'}', or: 0x20 };
+
 /// Where the string whose content starts at `from` ends: the index of
 /// its closing quote, and whether it holds a backslash; `None` if the
 /// body ends first.
 ///
-/// `memchr2` to the first quote or backslash (a string without escapes
-/// ends there); from a backslash on, 64 bytes at a time: a mask of the
-/// quotes and one of the backslashes (SIMD where there is some), then
-/// which bytes a backslash escapes ([`escaped`]), all in a few word
+/// A short string (a key, a name) ends within its first 16 bytes: one
+/// SIMD compare, no call. Past that, `memchr2` to the first quote or
+/// backslash (a string without escapes ends there); from a backslash on,
+/// 64 bytes at a time: a mask of the quotes and one of the backslashes,
+/// then which bytes a backslash escapes ([`escaped`]), all in a few word
 /// operations; the first quote not escaped ends the string. The cost is
 /// per block, not per escape.
 pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
@@ -359,55 +338,116 @@ pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
     }
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
-        scan(b, from, simd128_lanes)
+        scan(b, from, simd128_lane)
     }
     #[cfg(not(any(
         target_arch = "x86_64",
         all(target_arch = "wasm32", target_feature = "simd128")
     )))]
     {
-        scan(b, from, swar_lanes)
+        scan(b, from, swar_lane)
     }
 }
 
-/// [`string_end`], with `lanes` giving the quote and backslash masks of
-/// 16 bytes (bit i set when byte i is a `"`, or a `\\`).
+/// Where the object or array that opens at `from` ends: the index just
+/// past its closing bracket.
+///
+/// For values the filter skips (tool definitions, tool calls, fields it
+/// doesn't read), which only need their extent: 64 bytes at a time, the
+/// masks of quotes, backslashes and brackets; which bytes lie inside
+/// strings (the prefix XOR of the quotes no backslash escapes); then the
+/// depth, counted over the brackets outside them: a block at a time where
+/// it can't reach zero, else bracket by bracket. Strings must close and
+/// brackets must balance, at most [`MAX_DEPTH`] deep; which kind closes
+/// which and the tokens between them are not checked (the model server
+/// parses the body; for a valid body the extent is the same). Tool
+/// definitions are a token every ten bytes or so, so this is several
+/// times cheaper than walking them token by token.
+pub(super) fn container_end(b: &[u8], from: usize) -> Result<usize, JsonError> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: as in `string_end`.
+        unsafe { sse2::container_end(b, from) }
+    }
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        structure(b, from, simd128_lane)
+    }
+    #[cfg(not(any(
+        target_arch = "x86_64",
+        all(target_arch = "wasm32", target_feature = "simd128")
+    )))]
+    {
+        structure(b, from, swar_lane)
+    }
+}
+
+/// The masks of `classes` over the 64 bytes at the start of `rest`
+/// (zero-padded past its end: zero is in no class), and how many bytes
+/// were real. `lane` gives one class's mask of 16 bytes (bit i set when
+/// byte i is in it).
 #[inline(always)]
-fn scan(b: &[u8], from: usize, lanes: impl Fn(&[u8; 16]) -> (u16, u16)) -> Option<(usize, bool)> {
-    // Up to the first quote or backslash at memchr's speed: a string
-    // without escapes ends there (most keys and names, and plain text).
-    let first = from + memchr::memchr2(b'"', b'\\', b.get(from..)?)?;
+fn block_masks<const K: usize>(
+    rest: &[u8],
+    classes: [Class; K],
+    lane: impl Fn(&[u8; 16], Class) -> u16,
+) -> ([u64; K], usize) {
+    let masks = |block: &[u8; 64]| {
+        let mut out = [0u64; K];
+        for (i, c) in block.as_chunks::<16>().0.iter().enumerate() {
+            for (m, &class) in out.iter_mut().zip(&classes) {
+                *m |= u64::from(lane(c, class)) << (16 * i);
+            }
+        }
+        out
+    };
+    match rest.first_chunk::<64>() {
+        Some(block) => (masks(block), 64),
+        None => {
+            let mut block = [0u8; 64];
+            if let Some(head) = block.get_mut(..rest.len()) {
+                head.copy_from_slice(rest);
+            }
+            (masks(&block), rest.len())
+        }
+    }
+}
+
+/// [`string_end`], with `lane` the target's 16-byte class mask.
+#[inline(always)]
+fn scan(
+    b: &[u8],
+    from: usize,
+    lane: impl Fn(&[u8; 16], Class) -> u16 + Copy,
+) -> Option<(usize, bool)> {
+    let rest = b.get(from..)?;
+    let first = match rest.first_chunk::<16>() {
+        Some(head) => {
+            let quotes = lane(head, QUOTE);
+            let either = quotes | lane(head, SLASH);
+            if either == 0 {
+                // Up to the first quote or backslash at memchr's speed: a
+                // string without escapes ends there (plain text).
+                from + 16 + memchr::memchr2(b'"', b'\\', rest.get(16..)?)?
+            } else {
+                let i = either.trailing_zeros();
+                if quotes >> i & 1 == 1 {
+                    return Some((from + i as usize, false));
+                }
+                from + i as usize
+            }
+        }
+        None => from + memchr::memchr2(b'"', b'\\', rest)?,
+    };
     if b.get(first) == Some(&b'"') {
         return Some((first, false));
     }
-    let masks = |block: &[u8; 64]| {
-        let (mut q, mut s) = (0u64, 0u64);
-        for (i, c) in block.as_chunks::<16>().0.iter().enumerate() {
-            let (lq, ls) = lanes(c);
-            q |= u64::from(lq) << (16 * i);
-            s |= u64::from(ls) << (16 * i);
-        }
-        (q, s)
-    };
     // From the first backslash (not escaped: nothing before it is one).
     let mut at = first;
     let mut carry = false;
     let mut any_slash = 1;
     loop {
-        let rest = b.get(at..)?;
-        let (quotes, slashes, n) = match rest.first_chunk::<64>() {
-            Some(block) => {
-                let (q, s) = masks(block);
-                (q, s, 64)
-            }
-            None => {
-                // The tail, padded with zeros (neither quote nor backslash).
-                let mut block = [0u8; 64];
-                block.get_mut(..rest.len())?.copy_from_slice(rest);
-                let (q, s) = masks(&block);
-                (q, s, rest.len())
-            }
-        };
+        let ([quotes, slashes], n) = block_masks(b.get(at..)?, [QUOTE, SLASH], lane);
         if quotes | slashes == 0 && n == 64 && !carry {
             at += 64;
             continue;
@@ -425,6 +465,80 @@ fn scan(b: &[u8], from: usize, lanes: impl Fn(&[u8; 16]) -> (u16, u16)) -> Optio
         }
         at += 64;
     }
+}
+
+/// [`container_end`], with `lane` the target's 16-byte class mask.
+#[inline(always)]
+fn structure(
+    b: &[u8],
+    from: usize,
+    lane: impl Fn(&[u8; 16], Class) -> u16 + Copy,
+) -> Result<usize, JsonError> {
+    let error = |at: usize, expected: &'static str| JsonError { at, expected };
+    let mut depth = 0u32;
+    let mut at = from;
+    let mut carry = false;
+    // All ones when the block starts inside a string.
+    let mut inside = 0u64;
+    loop {
+        let rest = b.get(at..).unwrap_or_default();
+        if rest.is_empty() {
+            return Err(error(b.len(), "a closing bracket"));
+        }
+        let ([quotes, slashes, opens, closes], n) =
+            block_masks(rest, [QUOTE, SLASH, OPEN, CLOSE], lane);
+        let escapes = if slashes == 0 && !carry {
+            0
+        } else {
+            escaped(slashes, &mut carry)
+        };
+        let real = quotes & !escapes;
+        // From each opening quote up to (not with) its closing one.
+        let strings = prefix_xor(real) ^ inside;
+        inside = 0u64.wrapping_sub(strings >> 63);
+        // (A backslash outside a string is invalid JSON; it escapes the
+        // next byte there too, so one rule covers every byte.)
+        let outside = !strings & !escapes;
+        let (opens, closes) = (opens & outside, closes & outside);
+        // Most blocks can neither close the value nor nest too deep
+        // whatever their order: count them whole.
+        if closes.count_ones() < depth && depth + opens.count_ones() <= MAX_DEPTH as u32 {
+            depth = depth + opens.count_ones() - closes.count_ones();
+        } else {
+            let mut brackets = opens | closes;
+            while brackets != 0 {
+                let i = brackets.trailing_zeros();
+                brackets &= brackets - 1;
+                if opens >> i & 1 == 1 {
+                    if depth == MAX_DEPTH as u32 {
+                        return Err(error(at + i as usize, "nesting at most 1024 deep"));
+                    }
+                    depth += 1;
+                    continue;
+                }
+                // `from` opens the first level, and the scan returns when
+                // it closes: a close always has a level to close.
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return Ok(at + i as usize + 1);
+                }
+            }
+        }
+        if n < 64 {
+            return Err(error(b.len(), "a closing bracket"));
+        }
+        at += 64;
+    }
+}
+
+/// Bit i of the result is the XOR of bits 0..=i of `x`: with `x` the
+/// quotes that delimit strings, the bytes inside a string (its opening
+/// quote included, its closing one not).
+fn prefix_xor(mut x: u64) -> u64 {
+    for shift in [1, 2, 4, 8, 16, 32] {
+        x ^= x << shift;
+    }
+    x
 }
 
 /// The bytes of a block that a backslash escapes, from the block's
@@ -456,34 +570,45 @@ fn escaped(slashes: u64, carry: &mut bool) -> u64 {
 #[cfg(target_arch = "x86_64")]
 mod sse2 {
     use std::arch::x86_64::{
-        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
     };
+
+    use super::{Class, JsonError};
 
     #[target_feature(enable = "sse2")]
     pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
-        super::scan(b, from, |c| lanes(c))
+        super::scan(b, from, |c, class| lane(c, class))
+    }
+
+    #[target_feature(enable = "sse2")]
+    pub(super) fn container_end(b: &[u8], from: usize) -> Result<usize, JsonError> {
+        super::structure(b, from, |c, class| lane(c, class))
     }
 
     #[target_feature(enable = "sse2")]
     #[inline]
-    pub(super) fn lanes(c: &[u8; 16]) -> (u16, u16) {
+    pub(super) fn lane(c: &[u8; 16], class: Class) -> u16 {
         // SAFETY: `c` is 16 readable bytes; loadu needs no alignment.
-        let v = unsafe { _mm_loadu_si128(c.as_ptr().cast::<__m128i>()) };
-        let eq = |x: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(x as i8))) as u16;
-        (eq(b'"'), eq(b'\\'))
+        let mut v = unsafe { _mm_loadu_si128(c.as_ptr().cast::<__m128i>()) };
+        if class.or != 0 {
+            v = _mm_or_si128(v, _mm_set1_epi8(class.or as i8));
+        }
+        _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(class.x as i8))) as u16
     }
 }
 
 /// The same with wasm SIMD (the filter's build enables simd128).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline]
-fn simd128_lanes(c: &[u8; 16]) -> (u16, u16) {
-    use std::arch::wasm32::{i8x16_bitmask, i8x16_eq, u64x2, u8x16_splat};
+fn simd128_lane(c: &[u8; 16], class: Class) -> u16 {
+    use std::arch::wasm32::{i8x16_bitmask, i8x16_eq, u64x2, u8x16_splat, v128_or};
     let (lo, hi) = c.split_at(8);
     let word = |w: &[u8]| <[u8; 8]>::try_from(w).map_or(0, u64::from_le_bytes);
-    let v = u64x2(word(lo), word(hi));
-    let eq = |x: u8| i8x16_bitmask(i8x16_eq(v, u8x16_splat(x)));
-    (eq(b'"'), eq(b'\\'))
+    let mut v = u64x2(word(lo), word(hi));
+    if class.or != 0 {
+        v = v128_or(v, u8x16_splat(class.or));
+    }
+    i8x16_bitmask(i8x16_eq(v, u8x16_splat(class.x)))
 }
 
 /// The portable version, eight bytes per word: for targets without the
@@ -495,7 +620,7 @@ fn simd128_lanes(c: &[u8; 16]) -> (u16, u16) {
     ),
     allow(dead_code)
 )]
-fn swar_lanes(c: &[u8; 16]) -> (u16, u16) {
+fn swar_lane(c: &[u8; 16], class: Class) -> u16 {
     const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
     const ONES: u64 = 0x0101_0101_0101_0101;
     // The high bit of every byte of `w` that equals `c` (exact: no carry
@@ -507,13 +632,12 @@ fn swar_lanes(c: &[u8; 16]) -> (u16, u16) {
     // Byte k's high bit → bit k: each lands in the top byte at its own
     // place, and no two partial products overlap, so nothing carries.
     let gather = |m: u64| ((m >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) as u16;
-    let (mut q, mut s) = (0u16, 0u16);
+    let mut out = 0u16;
     for (i, w) in c.as_chunks::<8>().0.iter().enumerate() {
-        let w = u64::from_le_bytes(*w);
-        q |= gather(equal(w, b'"')) << (8 * i);
-        s |= gather(equal(w, b'\\')) << (8 * i);
+        let w = u64::from_le_bytes(*w) | (ONES * u64::from(class.or));
+        out |= gather(equal(w, class.x)) << (8 * i);
     }
-    (q, s)
+    out
 }
 
 #[cfg(test)]
@@ -546,30 +670,34 @@ mod tests {
     }
 
     #[test]
-    fn lanes_mark_quotes_and_backslashes_on_every_target() {
+    fn lanes_mark_each_class_on_every_target() {
         let mut next = rng(7);
         for _ in 0..5_000 {
             let mut c = [0u8; 16];
             for b in &mut c {
                 *b = match next() % 5 {
-                    0 => b'"',
-                    1 => b'\\',
-                    2 => (next() % 256) as u8,
+                    0 => b"\"\\{}[]"[(next() % 6) as usize],
+                    1 => (next() % 256) as u8,
                     _ => b'a',
                 };
             }
-            let want = c.iter().enumerate().fold((0u16, 0u16), |(q, s), (i, &b)| {
-                (
-                    q | (u16::from(b == b'"') << i),
-                    s | (u16::from(b == b'\\') << i),
-                )
-            });
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: SSE2 is part of the x86_64 baseline.
-            assert_eq!(unsafe { sse2::lanes(&c) }, want, "{c:?}");
-            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-            assert_eq!(simd128_lanes(&c), want, "{c:?}");
-            assert_eq!(swar_lanes(&c), want, "{c:?}");
+            for (class, members) in [
+                (QUOTE, &b"\""[..]),
+                (SLASH, b"\\"),
+                (OPEN, b"{["),
+                (CLOSE, b"}]"),
+            ] {
+                let want = c
+                    .iter()
+                    .enumerate()
+                    .fold(0u16, |m, (i, b)| m | (u16::from(members.contains(b)) << i));
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: SSE2 is part of the x86_64 baseline.
+                assert_eq!(unsafe { sse2::lane(&c, class) }, want, "{c:?} {class:?}");
+                #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+                assert_eq!(simd128_lane(&c, class), want, "{c:?} {class:?}");
+                assert_eq!(swar_lane(&c, class), want, "{c:?} {class:?}");
+            }
         }
     }
 
@@ -593,7 +721,7 @@ mod tests {
                 for from in [0, 1, len / 2] {
                     let from = from.min(len);
                     let want = slow_end(&b, from).map(|e| (e, b[from..e].contains(&b'\\')));
-                    assert_eq!(scan(&b, from, swar_lanes), want);
+                    assert_eq!(scan(&b, from, swar_lane), want);
                     assert_eq!(
                         string_end(&b, from),
                         want,
@@ -618,7 +746,7 @@ mod tests {
             .concat();
             assert_eq!(b.len(), 129);
             assert_eq!(string_end(&b, 0), Some((128, true)), "{run}");
-            assert_eq!(scan(&b, 0, swar_lanes), Some((128, true)), "{run}");
+            assert_eq!(scan(&b, 0, swar_lane), Some((128, true)), "{run}");
         }
         // A run of backslashes that fills a block and spills into the
         // next, odd and even.
@@ -630,7 +758,7 @@ mod tests {
                 slow_end(&b, 0).map(|e| (e, true)),
                 "run {run}"
             );
-            assert_eq!(scan(&b, 0, swar_lanes), string_end(&b, 0), "run {run}");
+            assert_eq!(scan(&b, 0, swar_lane), string_end(&b, 0), "run {run}");
         }
     }
 
@@ -657,16 +785,148 @@ mod tests {
         }
         assert_eq!(skip("  [1]  ").as_deref(), Ok("[1]"));
         for bad in [
-            "", "[1,]", "[1 2]", "{\"a\"}", "{\"a\":}", "{1:2}", "01", "1.", "-", "1e", "nul",
-            "[1}", "\"open", "{\"a\":1", "truex",
+            "", "01", "1.", "-", "1e", "nul", "[[]", "]", "\"open", "{\"a\":1", "[\"]\"", "truex",
+            "[] 1", "[]]",
         ] {
             assert!(skip(bad).is_err(), "{bad}");
+        }
+        // Inside an object or array only strings and brackets are read:
+        // the model server rejects these, the filter only needs their end.
+        for loose in [
+            "[1,]", "[1 2]", "{\"a\"}", "{\"a\":}", "{1:2}", "[x]", "[1}", "{]",
+        ] {
+            assert_eq!(skip(loose).as_deref(), Ok(loose), "{loose}");
         }
         // Deep, without recursion, to a bound.
         let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
         assert_eq!(skip(&deep(MAX_DEPTH)).map(|s| s.len()), Ok(2 * MAX_DEPTH));
         assert!(skip(&deep(MAX_DEPTH + 1)).is_err());
         assert!(skip(&deep(100_000)).is_err());
+    }
+
+    /// The plain reading of a container's end: a backslash escapes the
+    /// next byte (inside a string or not), a string runs to its first
+    /// unescaped quote, and brackets outside strings nest.
+    fn slow_container_end(b: &[u8], from: usize) -> Option<usize> {
+        let mut open = 0;
+        let mut i = from;
+        while i < b.len() {
+            match b[i] {
+                b'\\' => i += 1,
+                b'"' => i = slow_end(b, i + 1)?,
+                b'{' | b'[' => {
+                    if open == MAX_DEPTH {
+                        return None;
+                    }
+                    open += 1;
+                }
+                b'}' | b']' => {
+                    open -= 1;
+                    if open == 0 {
+                        return Some(i + 1);
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        None
+    }
+
+    #[test]
+    fn container_end_agrees_with_the_byte_by_byte_reading() {
+        // Random structure: brackets of both kinds, quotes and backslash
+        // runs, across block boundaries, most of it unbalanced or cut.
+        let mut next = rng(13);
+        for len in 1..400 {
+            for _ in 0..6 {
+                let mut b: Vec<u8> = (0..len)
+                    .map(|_| b"{}[]\"\\\\x,:"[(next() % 10) as usize])
+                    .collect();
+                b[0] = if next().is_multiple_of(2) { b'{' } else { b'[' };
+                let want = slow_container_end(&b, 0);
+                assert_eq!(
+                    container_end(&b, 0).ok(),
+                    want,
+                    "{:?}",
+                    String::from_utf8_lossy(&b)
+                );
+                assert_eq!(structure(&b, 0, swar_lane).ok(), want);
+            }
+        }
+        // Balanced ones, so that most end somewhere inside.
+        for _ in 0..3_000 {
+            let mut b = Vec::new();
+            let mut open = Vec::new();
+            loop {
+                match next() % 9 {
+                    0 | 1 if open.len() < 40 => {
+                        let c = if next().is_multiple_of(2) { b'{' } else { b'[' };
+                        open.push(c);
+                        b.push(c);
+                    }
+                    2 | 3 => match open.pop() {
+                        Some(c) => b.push(if c == b'{' { b'}' } else { b']' }),
+                        None => break,
+                    },
+                    4 => b.extend_from_slice(br#""a\"b\\""#),
+                    5 => b.extend_from_slice(br#""[{\"}]""#),
+                    _ => b.extend_from_slice(b"1,"),
+                }
+                if open.is_empty() && !b.is_empty() {
+                    break;
+                }
+            }
+            b.extend_from_slice(b" [1]");
+            let want = slow_container_end(&b, 0);
+            assert!(want.is_some());
+            assert_eq!(
+                container_end(&b, 0).ok(),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(&b)
+            );
+        }
+    }
+
+    #[test]
+    fn container_end_of_valid_json_is_where_a_parser_ends() {
+        // Random JSON values (serde_json writes them, escapes and all);
+        // the skipped extent must be the whole value.
+        let mut next = rng(17);
+        fn value(next: &mut impl FnMut() -> u64, depth: u32) -> serde_json::Value {
+            use serde_json::Value;
+            let text = |next: &mut dyn FnMut() -> u64| -> String {
+                (0..next() % 90)
+                    .map(|_| ['a', '"', '\\', '\n', '{', ']', 'é', '\u{1}'][(next() % 8) as usize])
+                    .collect()
+            };
+            match (next() % 6, depth) {
+                (0, d) if d < 6 => {
+                    Value::Array((0..next() % 5).map(|_| value(next, d + 1)).collect())
+                }
+                (1 | 2, d) if d < 6 => Value::Object(
+                    (0..next() % 5)
+                        .map(|_| (text(next), value(next, d + 1)))
+                        .collect(),
+                ),
+                (3, _) => Value::from(next() % 1000),
+                (4, _) => Value::Null,
+                _ => Value::String(text(next)),
+            }
+        }
+        for _ in 0..2_000 {
+            let v = serde_json::Value::Array(vec![value(&mut next, 0)]);
+            let s = if next().is_multiple_of(2) {
+                serde_json::to_string(&v).unwrap()
+            } else {
+                serde_json::to_string_pretty(&v).unwrap()
+            };
+            let b = format!("{s},\"tail\"]");
+            assert_eq!(container_end(b.as_bytes(), 0), Ok(s.len()), "{s}");
+            let mut r = Reader::new(s.as_bytes());
+            assert_eq!(r.skip().map(<[u8]>::len), Ok(s.len()));
+        }
     }
 
     #[test]

@@ -213,6 +213,24 @@ impl<S: Sink> Render<S> {
         self.len += take;
     }
 
+    /// `pieces` one after another, as one push when they are short (the
+    /// framing around a message): the hasher's cost is per push.
+    fn push_all(&mut self, pieces: &[&[u8]]) {
+        let mut buf = [0u8; 64];
+        let mut n = 0;
+        for p in pieces {
+            match buf.get_mut(n..n + p.len()) {
+                Some(dst) => dst.copy_from_slice(p),
+                None => {
+                    pieces.iter().for_each(|p| self.push(p));
+                    return;
+                }
+            }
+            n += p.len();
+        }
+        self.push(buf.get(..n).unwrap_or_default());
+    }
+
     fn tokens(&mut self, ids: &[i64]) {
         for (i, id) in ids.iter().enumerate() {
             if self.full() {
@@ -241,11 +259,13 @@ impl<S: Sink> Render<S> {
         }
         let calls = tool_calls.unwrap_or_default();
         let len = content_len(content) + calls.len();
-        self.push(b"\x1e");
-        self.push(role.as_bytes());
-        self.push(b"\x1f");
-        self.push(itoa::Buffer::new().format(role.len()).as_bytes());
-        self.push(b"\x1f");
+        self.push_all(&[
+            b"\x1e",
+            role.as_bytes(),
+            b"\x1f",
+            itoa::Buffer::new().format(role.len()).as_bytes(),
+            b"\x1f",
+        ]);
         if self.lead.is_none() {
             if is_preamble(role) {
                 self.preamble = true;
@@ -266,8 +286,7 @@ impl<S: Sink> Render<S> {
             None => {}
         }
         self.push(calls);
-        self.push(b"\x1f");
-        self.push(itoa::Buffer::new().format(len).as_bytes());
+        self.push_all(&[b"\x1f", itoa::Buffer::new().format(len).as_bytes()]);
     }
 }
 
@@ -519,8 +538,15 @@ mod tests {
         let f = text(&format!(r#"{{"functions":{tools},"messages":[]}}"#));
         assert!(f.starts_with(format!("\x1etools\x1f5\x1f{tools}").as_bytes()));
         assert!(text(r#"{"tools":null,"messages":[]}"#).is_empty());
-        // Malformed tools are a malformed body.
-        assert!(extract(br#"{"tools":[1,,2],"messages":[]}"#, 100).is_err());
+        // Tools whose brackets don't balance, or whose strings don't
+        // close, are a malformed body; the tokens between brackets are the
+        // server's to check (the filter only needs where the tools end).
+        assert!(extract(br#"{"tools":[{"a":1],"messages":[]}"#, 100).is_err());
+        assert!(extract(br#"{"tools":[{"a":"}]"}"#, 100).is_err());
+        assert_eq!(
+            text(r#"{"tools":[1,,2],"messages":[]}"#),
+            b"\x1etools\x1f5\x1f[1,,2]\x1f6"
+        );
     }
 
     #[test]
