@@ -119,11 +119,14 @@ impl Iterator for Points {
     }
 }
 
+/// Bytes of short pieces gathered before they are hashed.
+const GATHER: usize = 1024;
+
 /// The checkpoints of a prompt fed in pieces (the renderer writes here
 /// directly, so a long prompt is never copied into one buffer): the same
 /// hashes as [`checkpoints`] over the concatenation. Only whole blocks
-/// reach the hash state; a partial block waits in `carry`, and the one at
-/// the end is dropped.
+/// reach the hash state; short pieces and a partial block wait in
+/// `carry`, and the partial block at the end is dropped.
 pub struct Hasher {
     block_bytes: usize,
     points: Points,
@@ -146,7 +149,7 @@ impl Hasher {
             next_blocks: 0,
             state: Xxh3::with_seed(seed),
             fed: 0,
-            carry: Vec::with_capacity(block_bytes),
+            carry: Vec::with_capacity(GATHER.max(block_bytes) + block_bytes),
             out: Vec::new(),
         };
         h.advance();
@@ -164,21 +167,29 @@ impl Hasher {
     }
 
     pub fn push(&mut self, mut bytes: &[u8]) {
-        if !self.carry.is_empty() {
-            let take = (self.block_bytes - self.carry.len()).min(bytes.len());
-            self.carry.extend_from_slice(&bytes[..take]);
-            bytes = &bytes[take..];
-            if self.carry.len() < self.block_bytes {
-                return;
-            }
-            let block = std::mem::take(&mut self.carry);
-            self.feed(&block);
-            self.carry = block;
-            self.carry.clear();
+        let bb = self.block_bytes;
+        // Short pieces (a message's framing, a short message) gather in
+        // `carry` and reach the hash state a run of blocks at a time: its
+        // cost is per call as much as per byte.
+        if self.carry.len() + bytes.len() < GATHER.max(bb) {
+            self.carry.extend_from_slice(bytes);
+            return;
         }
-        let whole = bytes.len() / self.block_bytes * self.block_bytes;
-        self.feed(&bytes[..whole]);
-        self.carry.extend_from_slice(&bytes[whole..]);
+        if !self.carry.is_empty() {
+            let fill = (bb - self.carry.len() % bb) % bb;
+            let (head, rest) = bytes.split_at(fill.min(bytes.len()));
+            self.carry.extend_from_slice(head);
+            bytes = rest;
+            let whole = self.carry.len() / bb * bb;
+            let mut gathered = std::mem::take(&mut self.carry);
+            self.feed(gathered.get(..whole).unwrap_or_default());
+            gathered.drain(..whole);
+            self.carry = gathered;
+        }
+        let whole = bytes.len() / bb * bb;
+        let (blocks, tail) = bytes.split_at(whole);
+        self.feed(blocks);
+        self.carry.extend_from_slice(tail);
     }
 
     /// Hash whole blocks, closing a checkpoint at each scheduled boundary.
@@ -210,6 +221,9 @@ impl Hasher {
     /// The checkpoints, with one at the last whole block if it is off the
     /// schedule.
     pub fn finish(mut self) -> Vec<Checkpoint> {
+        let gathered = std::mem::take(&mut self.carry);
+        let whole = gathered.len() / self.block_bytes * self.block_bytes;
+        self.feed(gathered.get(..whole).unwrap_or_default());
         let total = u32::try_from(self.fed / self.block_bytes as u64).unwrap_or(u32::MAX);
         if total > self.out.last().map_or(0, |c| c.blocks) {
             self.out.push(Checkpoint {
@@ -372,6 +386,33 @@ mod tests {
                 h.push(chunk);
             }
             assert_eq!(h.finish(), whole, "pieces of {piece}");
+        }
+        // Pieces of mixed sizes (framing, short and long texts), so the
+        // gathered bytes end anywhere in a block when a long piece comes;
+        // and blocks larger than the gathering.
+        for bb in [16usize, 64, 2048] {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let mut h = Hasher::new(seed("m", None), bb, &S);
+            let mut rest = &text[..];
+            while !rest.is_empty() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let len = match x % 4 {
+                    0 => x as usize % 8,
+                    1 => x as usize % 300,
+                    2 => x as usize % 3000,
+                    _ => x as usize % 20_000,
+                };
+                let (piece, tail) = rest.split_at(len.min(rest.len()));
+                h.push(piece);
+                rest = tail;
+            }
+            assert_eq!(
+                h.finish(),
+                checkpoints(seed("m", None), &text, bb, &S),
+                "mixed pieces, blocks of {bb}"
+            );
         }
         // Ends exactly on a scheduled point, and shorter than one block.
         for len in [256 * 64, 63, 0] {

@@ -442,10 +442,10 @@ fn scan(
     if b.get(first) == Some(&b'"') {
         return Some((first, false));
     }
-    // From the first backslash (not escaped: nothing before it is one).
+    // From the first backslash (not escaped: nothing before it is one),
+    // so the string holds one.
     let mut at = first;
     let mut carry = false;
-    let mut any_slash = 1;
     loop {
         let ([quotes, slashes], n) = block_masks(b.get(at..)?, [QUOTE, SLASH], lane);
         if quotes | slashes == 0 && n == 64 && !carry {
@@ -454,12 +454,8 @@ fn scan(
         }
         let real = quotes & !escaped(slashes, &mut carry);
         if real != 0 {
-            let i = real.trailing_zeros();
-            // Backslashes before the closing quote (bits below it).
-            any_slash |= slashes & ((1u64 << i) - 1);
-            return Some((at + i as usize, any_slash != 0));
+            return Some((at + real.trailing_zeros() as usize, true));
         }
-        any_slash |= slashes;
         if n < 64 {
             return None;
         }
