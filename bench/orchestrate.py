@@ -120,7 +120,7 @@ class Sim:
     """One replica-sim process serving N replicas on free ports."""
 
     def __init__(self, replicas: int, preset: str, time_scale: float, kv_tokens: int | None,
-                 max_model_len: int | None = None, port: int = 0):
+                 max_model_len: int | None = None, port: int = 0, kv_fractions: str | None = None):
         # Port 0: free ports. A fixed first port pins every replica's address
         # (`port`..`port + replicas - 1`), and with it the rendezvous draw.
         self.args = [
@@ -129,6 +129,9 @@ class Sim:
         ]
         if kv_tokens:
             self.args += ["--kv-tokens", str(kv_tokens)]
+        if kv_fractions:
+            # Mixed cards: replica i keeps this share of the KV cache.
+            self.args += ["--kv-fractions", kv_fractions]
         if max_model_len:
             # replica-sim clamps it to the KV capacity.
             self.args += ["--max-model-len", str(max_model_len)]
@@ -720,6 +723,9 @@ def parser() -> argparse.ArgumentParser:
                     help="replica-sim time scale (real s per simulated s); latencies are reported in simulated ms")
     ap.add_argument("--kv-tokens", type=int, default=None,
                     help="KV cache tokens per replica (default: 100k x scale; long-preamble 48k, agentic 128k)")
+    ap.add_argument("--kv-fractions", default=None,
+                    help="per-replica share of the KV cache, replica 0 first (e.g. 1,1,1,0.25: a pool "
+                         "of mixed cards); replicas past the list keep all of it")
     ap.add_argument("--rate", type=float, default=None,
                     help="open-loop arrivals per simulated second (default 12; long-preamble 8)")
     ap.add_argument("--max-tokens", type=int, default=None)
@@ -813,13 +819,17 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         prof = profiles(a)[w]
         log(f"[{w}] {prof['replicas']} replicas, preset {prof['preset']}, time scale {prof['time_scale']}, "
-            f"KV {prof['kv_tokens'] or 'preset'} tokens each")
+            f"KV {prof['kv_tokens'] or 'preset'} tokens each"
+            + (f", shares {a.kv_fractions}" if a.kv_fractions else ""))
         rows = []
         with Sim(prof["replicas"], prof["preset"], prof["time_scale"], prof["kv_tokens"],
-                 prof.get("max_model_len"), a.replica_port) as sim:
+                 prof.get("max_model_len"), a.replica_port, a.kv_fractions) as sim:
             for r, n in run_plan(routers, a.envoy_instances):
                 rows.append(one_run(w, r, sim, prof, a, outdir, n))
-        results["workloads"][w] = {"setup": {k: v for k, v in prof.items() if k != "load"},
+        setup = {k: v for k, v in prof.items() if k != "load"}
+        if a.kv_fractions:
+            setup["kv_fractions"] = a.kv_fractions
+        results["workloads"][w] = {"setup": setup,
                                    "load_args": prof["load"], "runs": rows}
         (outdir / "results.json").write_text(json.dumps(results, indent=1))
     results["elapsed_s"] = time.time() - t_start

@@ -90,6 +90,9 @@ pub struct Config {
     /// Independent Envoy instances (gateway pods) in front of the same
     /// replicas.
     pub gateways: u32,
+    /// Move prefixes off replicas whose own prefix-cache hit rate says
+    /// they evict what they are credited with (`route::evicting`).
+    pub hit_rate_feedback: bool,
     /// Session affinity across gateway instances, when configured.
     pub affinity: Option<Affinity>,
     /// Test-only fault injection, compiled in only with the
@@ -138,6 +141,7 @@ impl Default for Config {
             mode: Mode::default(),
             shadow_baseline: Baseline::default(),
             gateways: 1,
+            hit_rate_feedback: false,
             affinity: None,
             #[cfg(feature = "fault-injection")]
             debug_trap_on_request: None,
@@ -659,6 +663,9 @@ mod tests {
     fn gateways_default_to_one_and_are_bounded() {
         let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
         assert_eq!(c.gateways, 1);
+        assert!(!c.hit_rate_feedback);
+        let on = br#"{"endpoints":["10.0.0.1:1"],"hit_rate_feedback":true}"#;
+        assert!(Config::parse(on).unwrap().hit_rate_feedback);
         let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"],"gateways":64}"#).unwrap();
         assert_eq!(c.gateways, 64);
         for bad in ["0", "65"] {

@@ -1,8 +1,8 @@
 //! Model-server metrics (Prometheus text) → replica load.
 //!
 //! The filter scrapes each replica's `/metrics` page and needs only a handful
-//! of numbers from it: queue depth, running requests, KV-cache usage and the
-//! LoRA adapters in use. Everything else on the page (often hundreds of
+//! of numbers from it: queue depth, running requests, KV-cache usage, the
+//! LoRA adapters in use, and the prefix cache's lookup and hit counters. Everything else on the page (often hundreds of
 //! histogram buckets) is skipped after reading the metric name, so the cost
 //! is one linear pass over a page whose size the caller has already capped,
 //! and memory use is a few small values plus the LoRA names.
@@ -62,6 +62,18 @@ pub struct ReplicaMetrics {
     pub waiting_lora: Vec<String>,
     /// Adapter slots (vLLM's `max_lora` label), if advertised.
     pub max_lora: Option<u32>,
+    /// The prefix cache's lifetime totals, in tokens: looked up, and found
+    /// (vLLM's counters; `None` when the page has none). Their increments
+    /// between scrapes are the replica's measured hit rate.
+    pub cache: Option<CacheCounters>,
+}
+
+/// Prefix-cache counters as a page reports them (sanitised: finite,
+/// non-negative).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CacheCounters {
+    pub queries: f64,
+    pub hits: f64,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -152,7 +164,9 @@ impl Accumulator {
         let v = match family.target {
             Target::LoraInfo => return self.add_lora(sample),
             Target::KvUsage => sanitize_fraction(sample.value),
-            Target::Waiting | Target::Running => sanitize_count(sample.value),
+            Target::Waiting | Target::Running | Target::CacheQueries | Target::CacheHits => {
+                sanitize_count(sample.value)
+            }
         };
         self.fold(family.target, family.rank, v);
     }
@@ -207,6 +221,13 @@ impl Accumulator {
         if waiting.is_none() && running.is_none() && kv_usage.is_none() {
             return Err(MetricsError::NoKnownFamily { engine });
         }
+        let cache = match (
+            self.pick(Target::CacheQueries),
+            self.pick(Target::CacheHits),
+        ) {
+            (Some(queries), Some(hits)) => Some(CacheCounters { queries, hits }),
+            _ => None,
+        };
         let (running_lora, waiting_lora, max_lora) = match self.lora {
             Some(pick) => (pick.running, pick.waiting, pick.max_lora),
             None => (Vec::new(), Vec::new(), None),
@@ -218,6 +239,7 @@ impl Accumulator {
             running_lora,
             waiting_lora,
             max_lora,
+            cache,
         })
     }
 }
@@ -278,6 +300,48 @@ mod tests {
         assert_eq!(m.running_lora, strings(&["sql-lora", "chat-lora"]));
         assert_eq!(m.waiting_lora, strings(&["sql-lora"]));
         assert_eq!(m.max_lora, Some(4));
+    }
+
+    #[test]
+    fn vllm_prefix_cache_counters() {
+        // Summed over the two engines; absent on the V0 page (a hit-rate
+        // gauge of -1 there, which is not read).
+        let m = parse(Engine::Vllm, VLLM_V1_DP2.as_bytes(), LIMIT).unwrap();
+        let c = m.cache.unwrap();
+        assert_close(c.queries, 1.523488e6 + 1.398112e6);
+        assert!(c.hits > 0.0 && c.hits <= c.queries, "{c:?}");
+        assert_eq!(
+            parse(Engine::Vllm, VLLM_V0.as_bytes(), LIMIT)
+                .unwrap()
+                .cache,
+            None
+        );
+        // The sample names without `_total` (OpenMetrics style).
+        let m = parse(Engine::Vllm, AWKWARD.as_bytes(), LIMIT).unwrap();
+        assert_eq!(
+            m.cache,
+            Some(CacheCounters {
+                queries: 100.0,
+                hits: 40.0
+            })
+        );
+        // Both counters or neither; the names before vLLM 0.10 too.
+        let page = "vllm:num_requests_running 1\nvllm:prefix_cache_hits_total 5\n";
+        assert_eq!(
+            parse(Engine::Vllm, page.as_bytes(), LIMIT).unwrap().cache,
+            None
+        );
+        let page = "vllm:num_requests_running 1\n\
+                    vllm:gpu_prefix_cache_queries_total 50\n\
+                    vllm:gpu_prefix_cache_hits_total NaN\n";
+        let c = parse(Engine::Vllm, page.as_bytes(), LIMIT).unwrap().cache;
+        assert_eq!(
+            c,
+            Some(CacheCounters {
+                queries: 50.0,
+                hits: 0.0
+            })
+        );
     }
 
     #[test]

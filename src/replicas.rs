@@ -8,15 +8,16 @@
 use std::collections::HashSet;
 
 use crate::endpoint::ReplicaId;
-use crate::metrics::{ReplicaMetrics, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
+use crate::metrics::{CacheCounters, ReplicaMetrics, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
 use crate::store::{self, get_existing, Reader, Store, StoreError, Writer};
 
 const TABLE_KEY: &str = "prefix-router/replicas";
 const LEASE_KEY: &str = "prefix-router/scrape-lease";
 /// 2: each row framed by its own length, so one unreadable row costs only
-/// itself; 3: the common record envelope (`store::Writer`). Tables of
-/// another version read as absent and are rewritten.
-const VERSION: u8 = 3;
+/// itself; 3: the common record envelope (`store::Writer`); 4: the prefix
+/// cache's measured hit rate. Tables of another version read as absent and
+/// are rewritten.
+const VERSION: u8 = 4;
 /// The scraper lease's (unversioned before: two bare u64s).
 const LEASE_VERSION: u8 = 1;
 /// Bounds on what a record may carry (and a decoder will accept).
@@ -46,6 +47,73 @@ pub struct Row {
     pub max_lora: u32,
     pub running_lora: Vec<String>,
     pub waiting_lora: Vec<String>,
+    pub cache: CacheRate,
+}
+
+/// The prefix cache's hit rate as the replica measures it: the increments
+/// of its hit and lookup counters (tokens) between scrapes, summed with a
+/// half-life of [`HIT_RATE_HALF_LIFE_MS`], so the rate follows the last
+/// half minute or so of traffic whatever the scrape interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheRate {
+    /// The counters at the last good scrape (`None`: none reported yet, or
+    /// the page stopped reporting them).
+    last: Option<CacheCounters>,
+    queries: f32,
+    hits: f32,
+}
+
+/// How fast old lookups stop counting.
+pub const HIT_RATE_HALF_LIFE_MS: u64 = 20_000;
+/// Lookups (tokens, decayed) below which a rate is not trusted: a few
+/// prompts are not a measurement, and a replica's first cold prefill of a
+/// long shared prompt (an agent's 15k-token tool list) must not read as
+/// evicting on its own. Not much more: at 256k a replica with a quarter
+/// of the KV cache was judged late, and lost its rate again as its
+/// traffic fell with the prefixes that left (no gain on shared-prefix).
+pub const HIT_RATE_MIN_QUERIES: f32 = 65_536.0;
+
+impl CacheRate {
+    /// The measured hit rate (0..=1), once enough lookups back it.
+    pub fn hit_rate(&self) -> Option<f32> {
+        (self.queries >= HIT_RATE_MIN_QUERIES).then(|| (self.hits / self.queries).clamp(0.0, 1.0))
+    }
+
+    /// Take the counters of a scrape `elapsed_ms` after the last one. A
+    /// counter that went down (the server restarted) starts a new baseline.
+    fn observe(&mut self, now: Option<CacheCounters>, elapsed_ms: u64) {
+        let keep = 0.5f64.powf(elapsed_ms as f64 / HIT_RATE_HALF_LIFE_MS as f64);
+        if let (Some(before), Some(now)) = (self.last, now) {
+            if now.queries >= before.queries && now.hits >= before.hits {
+                let dq = now.queries - before.queries;
+                let dh = (now.hits - before.hits).min(dq);
+                self.queries = tokens(f64::from(self.queries) * keep + dq);
+                self.hits = tokens(f64::from(self.hits) * keep + dh).min(self.queries);
+            }
+        }
+        self.last = now;
+    }
+
+    fn encode(&self, w: &mut Writer) {
+        let (q, h) = self.last.map_or((-1.0, -1.0), |c| (c.queries, c.hits));
+        w.u64(q.to_bits())
+            .u64(h.to_bits())
+            .f32(self.queries)
+            .f32(self.hits);
+    }
+
+    fn decode(r: &mut Reader) -> Option<CacheRate> {
+        let counter = |bits: u64| Some(f64::from_bits(bits)).filter(|v| v.is_finite() && *v >= 0.0);
+        let (q, h) = (counter(r.u64()?), counter(r.u64()?));
+        let queries = tokens(f64::from(r.f32()?));
+        Some(CacheRate {
+            last: q
+                .zip(h)
+                .map(|(queries, hits)| CacheCounters { queries, hits }),
+            queries,
+            hits: tokens(f64::from(r.f32()?)).min(queries),
+        })
+    }
 }
 
 /// A count as a row keeps it: finite, 0..=MAX_COUNT (NaN reads as 0).
@@ -54,6 +122,17 @@ fn count(v: f64) -> f32 {
         0.0
     } else {
         v.clamp(0.0, f64::from(MAX_COUNT)) as f32
+    }
+}
+
+/// A decayed token sum as a row keeps it: finite, 0..=1e15 (NaN reads as
+/// 0). Not clamped like a count: a busy replica looks up millions of
+/// tokens a minute.
+fn tokens(v: f64) -> f32 {
+    if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(0.0, 1e15) as f32
     }
 }
 
@@ -73,6 +152,8 @@ impl Row {
     }
 
     fn apply_ok(&mut self, m: &ReplicaMetrics, now_ms: u64) {
+        self.cache
+            .observe(m.cache, now_ms.saturating_sub(self.last_ok_ms));
         self.last_ok_ms = now_ms.max(1);
         self.failures = 0;
         self.waiting = count(m.waiting);
@@ -103,6 +184,7 @@ impl Row {
                 w.str(name);
             }
         }
+        self.cache.encode(w);
     }
 
     /// The body after the id. Values are sanitised again on the way in:
@@ -118,6 +200,7 @@ impl Row {
             max_lora: r.u32()?,
             running_lora: names(r)?,
             waiting_lora: names(r)?,
+            cache: CacheRate::decode(r)?,
         };
         r.is_empty().then_some(row)
     }
@@ -410,6 +493,51 @@ mod tests {
             record_scrape(&s, 2, Err(()), &known, 1400).unwrap();
         }
         assert!(!Table::load(&s).eligible(2, &P, 1400));
+    }
+
+    #[test]
+    fn measured_hit_rate_follows_the_counters() {
+        let s = MemStore::new();
+        let scrape = |q: f64, h: f64, at: u64| {
+            let m = ReplicaMetrics {
+                cache: Some(CacheCounters {
+                    queries: q,
+                    hits: h,
+                }),
+                ..metrics(0.0)
+            };
+            record_scrape(&s, 1, Ok(&m), &[1], at).unwrap();
+            Table::load(&s).row(1).unwrap().cache.hit_rate()
+        };
+        // Lifetime totals before the first scrape don't count: a baseline.
+        assert_eq!(scrape(1e9, 1e8, 1_000), None);
+        // Under the minimum of lookups: no rate yet.
+        assert_eq!(scrape(1e9 + 1_000.0, 1e8 + 900.0, 2_000), None);
+        // 90% of the next million tokens hit.
+        let r = scrape(1e9 + 1_001_000.0, 1e8 + 900_900.0, 3_000).unwrap();
+        assert!((r - 0.9).abs() < 0.01, "{r}");
+        // Then nothing hits: the rate falls with the half-life, not at once.
+        let r = scrape(
+            1e9 + 2_001_000.0,
+            1e8 + 900_900.0,
+            3_000 + HIT_RATE_HALF_LIFE_MS,
+        )
+        .unwrap();
+        assert!((0.25..0.35).contains(&r), "{r}");
+        let later = 3_000 + 10 * HIT_RATE_HALF_LIFE_MS;
+        let r = scrape(1e9 + 12_001_000.0, 1e8 + 900_900.0, later).unwrap();
+        assert!(r < 0.01, "{r}");
+        // A restart (counters back near 0) starts a new baseline and keeps
+        // the rate; hits above queries (a broken exporter) count as queries.
+        assert!(scrape(10.0, 5.0, later + 100).unwrap() < 0.01);
+        // (10M lookups at 0% weigh against these 1M at 100%.)
+        let r = scrape(1_000_010.0, 5_000_005.0, later + 200).unwrap();
+        assert!((0.08..0.12).contains(&r), "{r}");
+        // A page without the counters: the rate decays, no new baseline.
+        record_scrape(&s, 1, Ok(&metrics(0.0)), &[1], later + 300).unwrap();
+        let r = Table::load(&s).row(1).unwrap().cache;
+        assert!(r.hit_rate().is_some());
+        assert_eq!(r, CacheRate { last: None, ..r });
     }
 
     #[test]

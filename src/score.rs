@@ -32,6 +32,17 @@ pub struct Candidate {
     pub lora: LoraFit,
     /// The client's verified affinity token names this replica.
     pub affinity: bool,
+    /// Its prefix cache's measured hit rate, when it reports one (see
+    /// `route::evicting`).
+    pub hit_rate: Option<f32>,
+    /// It evicts more than the index credits it with, and this request's
+    /// prefix is one of those that leave it (`route::evicting`): its
+    /// credit is withheld, and placing the prefix there again costs a
+    /// second prefill (the copy would be evicted in turn).
+    pub evicting: bool,
+    /// The share of its prefix credit it keeps (1 unless it evicts, see
+    /// `route::evicting`): a prefix that left it stays where it went.
+    pub trust: f32,
 }
 
 /// How well a replica fits the request's LoRA adapter, as the Inference
@@ -217,9 +228,12 @@ pub fn rank_below(
             } else {
                 load
             };
-            let credit = if keeps { c.matched.min(blocks) } else { 0 }.max(trunk.min(blocks));
+            let held =
+                (f64::from(c.matched.min(blocks)) * f64::from(c.trust.clamp(0.0, 1.0))) as u32;
+            let credit = if keeps { held } else { 0 }.max(trunk.min(blocks));
             let w = &p.weights;
-            w.prefix * blocks.saturating_sub(credit) as f64
+            let evicts = if c.evicting { blocks } else { 0 };
+            w.prefix * (blocks.saturating_sub(credit) + evicts) as f64
                 + w.load * felt
                 + w.queue * c.waiting.max(0.0) as f64
                 + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
@@ -283,6 +297,13 @@ pub fn rank_below(
         let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
         let margin = band.max(p.weights.prefix * new_blocks);
         let by_hash = rendezvous_order(cands, placement);
+        // Every instance reads the same hit rates: none keeps new content
+        // on a replica that evicts it.
+        let keeps: Vec<bool> = keeps
+            .iter()
+            .zip(cands)
+            .map(|(&k, c)| k && !c.evicting)
+            .collect();
         let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, margin);
         if let Some(pick) = pick.or_else(|| order.first().copied()) {
             order.retain(|&i| i != pick);
@@ -484,6 +505,33 @@ mod tests {
             kv_usage: 0.0,
             lora: LoraFit::NotApplicable,
             affinity: false,
+            hit_rate: None,
+            evicting: false,
+            trust: 1.0,
+        }
+    }
+
+    #[test]
+    fn new_content_is_not_placed_where_it_would_be_evicted() {
+        // Whatever the key: with one gateway by cost, with several by the
+        // agreed two choices; the evicting replica only as a last resort.
+        for gateways in [1, 3] {
+            let p = ScoreParams {
+                gateways,
+                ..params()
+            };
+            for key in 0..200u64 {
+                let mut c: Vec<Candidate> = (1..=4).map(|i| cand(i, 0, 0, 0)).collect();
+                let first = rank(&c, 100, key, &p).order[0];
+                c[first].evicting = true;
+                let r = rank(&c, 100, key, &p);
+                assert_ne!(r.order[0], first, "key {key}, {gateways} gateways");
+                assert_eq!(r.order.last(), Some(&first));
+                for e in &mut c {
+                    e.evicting = true;
+                }
+                assert_eq!(rank(&c, 100, key, &p).order.len(), 4);
+            }
         }
     }
 

@@ -228,10 +228,12 @@ def backends(n: int, **kw):
         yield [stack.enter_context(Backend(**kw)) for _ in range(n)]
 
 
-def vllm_metrics(waiting: float = 0, running: float = 0, kv: float = 0.0) -> str:
-    """A metrics page shaped like vLLM's."""
+def vllm_metrics(waiting: float = 0, running: float = 0, kv: float = 0.0,
+                 cache: tuple[float, float] | None = None) -> str:
+    """A metrics page shaped like vLLM's; `cache` = the prefix cache's
+    (queried, hit) token counters."""
     m = 'model_name="m",engine="0"'
-    return (
+    page = (
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
         f"vllm:num_requests_waiting{{{m}}} {waiting}\n"
@@ -240,6 +242,14 @@ def vllm_metrics(waiting: float = 0, running: float = 0, kv: float = 0.0) -> str
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         f"vllm:kv_cache_usage_perc{{{m}}} {kv}\n"
     )
+    if cache is not None:
+        page += (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total{{{m}}} {cache[0]}\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total{{{m}}} {cache[1]}\n"
+        )
+    return page
 
 
 # --------------------------------------------------------------------------

@@ -43,6 +43,11 @@ pub struct Cli {
     /// KV cache size in tokens (rounded down to whole blocks).
     #[arg(long)]
     pub kv_tokens: Option<usize>,
+    /// Per-replica share of the KV cache (comma-separated, replica 0
+    /// first; replicas past the list keep all of it): `1,1,1,0.25` gives
+    /// the fourth replica a quarter, as a pool of mixed GPUs has.
+    #[arg(long, value_delimiter = ',')]
+    pub kv_fractions: Vec<f64>,
     #[arg(long)]
     pub block_size: Option<usize>,
     #[arg(long)]
@@ -119,6 +124,21 @@ impl Cli {
 }
 
 impl Cli {
+    /// Replica `index`'s engine config: `base` with its share of the KV
+    /// cache (`--kv-fractions`), still able to hold one sequence.
+    pub fn replica_config(&self, base: &EngineConfig, index: u16) -> Result<EngineConfig, String> {
+        let mut c = base.clone();
+        if let Some(&f) = self.kv_fractions.get(usize::from(index)) {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(format!("kv-fractions: {f} is not within (0, 1]"));
+            }
+            c.kv_blocks = ((c.kv_blocks as f64 * f) as usize).max(1);
+            c.max_model_len = c.max_model_len.min(c.kv_tokens());
+            c.validate()?;
+        }
+        Ok(c)
+    }
+
     /// The `/metrics` fault replica `index` starts with.
     pub fn metrics_fault_for(&self, index: u16) -> MetricsFault {
         let chosen =
@@ -225,5 +245,28 @@ mod tests {
             assert!(cli.validate_metrics_fault().is_err(), "{bad:?}");
         }
         assert!(Cli::try_parse_from(["replica-sim", "--metrics-fault", "sideways"]).is_err());
+    }
+
+    #[test]
+    fn kv_fractions_shrink_single_replicas() {
+        let cli = Cli::try_parse_from([
+            "replica-sim",
+            "--kv-blocks",
+            "1000",
+            "--kv-fractions",
+            "1,0.25",
+        ])
+        .unwrap();
+        let base = cli.engine_config().unwrap();
+        assert_eq!(cli.replica_config(&base, 0).unwrap().kv_blocks, 1000);
+        let small = cli.replica_config(&base, 1).unwrap();
+        assert_eq!(small.kv_blocks, 250);
+        assert!(small.max_model_len <= small.kv_tokens());
+        assert_eq!(cli.replica_config(&base, 2).unwrap().kv_blocks, 1000);
+        for bad in ["0", "1.5", "-1", "NaN"] {
+            let arg = format!("--kv-fractions={bad}");
+            let cli = Cli::try_parse_from(["replica-sim", arg.as_str()]).unwrap();
+            assert!(cli.replica_config(&base, 0).is_err(), "{bad}");
+        }
     }
 }

@@ -28,7 +28,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let checked = cli
         .validate_metrics_fault()
-        .and_then(|()| cli.engine_config());
+        .and_then(|()| cli.engine_config())
+        .and_then(|c| {
+            (0..cli.replicas).try_for_each(|i| cli.replica_config(&c, i).map(drop))?;
+            Ok(c)
+        });
     let cfg = match checked {
         Ok(c) => c,
         Err(e) => {
@@ -78,7 +82,11 @@ async fn serve(cli: &Cli, settings: Settings) -> std::io::Result<()> {
             .await
             .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}:{port}: {e}", cli.host)))?;
         let addr = listener.local_addr()?;
-        let replica = Replica::start(addr, settings.clone(), cli.metrics_fault_for(i));
+        let mut own = settings.clone();
+        own.cfg = cli
+            .replica_config(&settings.cfg, i)
+            .map_err(std::io::Error::other)?;
+        let replica = Replica::start(addr, own, cli.metrics_fault_for(i));
         let app = api::router(replica);
         // TCP_NODELAY like uvicorn (vLLM, SGLang) does: without it small SSE
         // writes meet delayed ACKs and TTFT gains a spurious 40 ms.

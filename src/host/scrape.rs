@@ -31,6 +31,7 @@ struct ReplicaGauges {
     waiting: Metric,
     running: Metric,
     kv_percent: Metric,
+    hit_percent: Metric,
 }
 
 impl ReplicaGauges {
@@ -44,6 +45,7 @@ impl ReplicaGauges {
             waiting: m(MetricType::Gauge, "waiting"),
             running: m(MetricType::Gauge, "running"),
             kv_percent: m(MetricType::Gauge, "kv_usage_percent"),
+            hit_percent: m(MetricType::Gauge, "cache_hit_percent"),
         }
     }
 }
@@ -322,6 +324,9 @@ impl Scraper {
             g.running.record(&Envoy, row.running as u64);
             g.kv_percent
                 .record(&Envoy, (row.kv_usage * 100.0).round() as u64);
+            if let Some(rate) = row.cache.hit_rate() {
+                g.hit_percent.record(&Envoy, (rate * 100.0).round() as u64);
+            }
         }
     }
 

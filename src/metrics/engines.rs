@@ -1,5 +1,6 @@
 //! Which metric families each engine exports for the quantities the router
-//! reads: waiting and running requests, KV-cache usage, LoRA adapters.
+//! reads: waiting and running requests, KV-cache usage, LoRA adapters, and
+//! the prefix cache's queried and hit tokens.
 
 use std::fmt;
 
@@ -38,12 +39,16 @@ pub(super) enum Target {
     Waiting,
     Running,
     KvUsage,
+    /// Prefix-cache lookups, in tokens (a counter).
+    CacheQueries,
+    /// Prefix-cache hits, in tokens (a counter).
+    CacheHits,
     /// vLLM's LoRA info gauge: state in labels, timestamp as the value.
     LoraInfo,
 }
 
 /// Number of numeric quantities (the targets with a [`Target::slot`]).
-pub(super) const QUANTITIES: usize = 3;
+pub(super) const QUANTITIES: usize = 5;
 
 impl Target {
     pub(super) fn slot(self) -> Option<usize> {
@@ -51,6 +56,8 @@ impl Target {
             Target::Waiting => 0,
             Target::Running => 1,
             Target::KvUsage => 2,
+            Target::CacheQueries => 3,
+            Target::CacheHits => 4,
             Target::LoraInfo => return None,
         })
     }
@@ -101,6 +108,18 @@ const VLLM: &[Family] = &[
     fam("vllm:num_requests_running", Target::Running, 0),
     fam("vllm:kv_cache_usage_perc", Target::KvUsage, 0),
     fam("vllm:gpu_cache_usage_perc", Target::KvUsage, 1),
+    // Counters: `_total` in the text format; OpenMetrics pages may name the
+    // samples without it; `gpu_` is the name before vLLM 0.10.
+    fam("vllm:prefix_cache_queries_total", Target::CacheQueries, 0),
+    fam("vllm:prefix_cache_queries", Target::CacheQueries, 1),
+    fam(
+        "vllm:gpu_prefix_cache_queries_total",
+        Target::CacheQueries,
+        2,
+    ),
+    fam("vllm:prefix_cache_hits_total", Target::CacheHits, 0),
+    fam("vllm:prefix_cache_hits", Target::CacheHits, 1),
+    fam("vllm:gpu_prefix_cache_hits_total", Target::CacheHits, 2),
     fam("vllm:lora_requests_info", Target::LoraInfo, 0),
 ];
 

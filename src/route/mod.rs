@@ -3,6 +3,7 @@
 //! priced and keyed at (`trunk`) → ranking (`score`) → destination header
 //! value; then `commit` records the pick (in-flight work, index entries).
 
+mod evicting;
 mod hashed;
 mod trunk;
 
@@ -68,6 +69,9 @@ pub struct Choice {
     /// places the session anew (`thin_lead`): the session counts as one
     /// placement, on whichever replica keeps it.
     pub home: Option<ReplicaId>,
+    /// Replicas whose credit for this prefix was withheld because they
+    /// evict more than they are credited with (`evicting`).
+    pub withheld: u32,
 }
 
 /// Why a decision went the way it did: built only on request
@@ -340,9 +344,17 @@ impl Router {
                     kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
                     lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
                     affinity: meta.affinity == Some(id),
+                    evicting: false,
+                    trust: 1.0,
+                    hit_rate: row.and_then(|r| r.cache.hit_rate()),
                 }
             })
             .collect();
+        let withheld = if self.config.hit_rate_feedback {
+            evicting::withhold(&mut cands, hashed) as u32
+        } else {
+            0
+        };
         let blocks = hashed.blocks();
         let agreed = if self.params.agree() {
             agreed_below_lead(&self.index, store, hashed, &mut cands, &self.params)
@@ -412,6 +424,7 @@ impl Router {
             work: self.params.work_of(blocks, held.blocks),
             matches,
             home,
+            withheld,
         })
     }
 

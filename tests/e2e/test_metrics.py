@@ -88,6 +88,52 @@ def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
             assert envoy.stat(f"{stat_label(bs[0].addr)}.waiting") == 40
 
 
+def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
+    """A replica whose own prefix-cache counters say it misses most of what
+    it is sent (a smaller KV cache than its share) keeps only part of its
+    groups: the others move, once, to replicas that keep them."""
+    def doc(g):
+        return f"Document {g}. " + f"Facts of group {g}, with figures. " * 120
+
+    with backends(4, metrics=vllm_metrics(cache=(0, 0))) as bs:
+        with start([b.addr for b in bs], debug_header=True, hit_rate_feedback=True) as envoy:
+            home = {}
+            for g in range(40):
+                status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q0?"))
+                assert status == 200
+                home[g] = headers["x-served-by"]
+            small = str(bs[0].port)
+            mine = [g for g in home if home[g] == small]
+            assert len(mine) >= 4, Counter(home.values())
+            # Counters that grow: replica 0 hits 30% of the tokens it looks
+            # up, the others 95%.
+            for step in range(1, 11):
+                for i, b in enumerate(bs):
+                    q = 100_000.0 * step
+                    b.metrics = vllm_metrics(cache=(q, q * (0.3 if i == 0 else 0.95)))
+                time.sleep(INTERVAL_MS / 1000)
+            label = stat_label(bs[0].addr)
+            assert wait_until(lambda: envoy.stat(f"{label}.cache_hit_percent") == 30)
+            assert envoy.stat(f"{stat_label(bs[1].addr)}.cache_hit_percent") == 95
+            served = {}
+            for rnd in range(3):
+                for g in range(40):
+                    status, headers, _ = request(envoy.port, body=completion(doc(g) + f" Q{rnd + 1}?"))
+                    assert status == 200
+                    if rnd == 0:
+                        served[g] = headers["x-served-by"]
+                    else:
+                        # Where a group went, it stays.
+                        assert headers["x-served-by"] == served[g], (g, rnd)
+            moved = [g for g in mine if served[g] != small]
+            # About 1 - 0.30 / 0.95 = 68% of its groups leave it; the other
+            # replicas' groups stay.
+            assert 1 <= len(moved) < len(mine), (moved, mine)
+            assert all(served[g] == home[g] for g in home if home[g] != small)
+            assert all(served[g] != small for g in home if home[g] != small)
+            assert envoy.stat("prefix_router.decision.credit_withheld") >= len(moved)
+
+
 def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
     with backends(3, metrics=vllm_metrics()) as bs:
         victim = Backend(metrics=vllm_metrics())

@@ -1,0 +1,192 @@
+//! A replica that evicts what the index credits it with.
+//!
+//! The index learns only what was sent where, never what a replica's cache
+//! later dropped. When a replica holds more prefixes than its KV cache
+//! fits (a smaller card in a mixed pool, or an unlucky share of long
+//! documents), it evicts them in turn and misses on its own prefixes
+//! again and again, while the index keeps crediting it: each request still
+//! looks cheapest there (a partial chance of a hit beats none elsewhere),
+//! so nothing ever moves off it. Measured on shared-prefix with one of
+//! eight replicas at a quarter of the KV cache: its hit rate 57.6% against
+//! 95.9% on the others, with the same ten groups each, and it set the
+//! pool's TTFT tail (README, "Mixed KV caches").
+//!
+//! The replica says so itself: its prefix cache's hit rate, from its own
+//! counters (`replicas::CacheRate`), which every gateway instance reads
+//! alike. A replica whose rate is under [`TRUST_BELOW`] of the pool's
+//! median is oversubscribed by about median / rate: it takes no new
+//! prefixes while it is, and a fraction
+//! `1 - rate / median` of the prefixes it is credited with lose their
+//! credit there, and placing one there again counts a second prefill (the
+//! copy would be evicted in turn). Which ones is a hash of (prefix,
+//! replica), the same on every instance and for every request of a
+//! prefix, so those prefixes move to another replica and the rest stay
+//! and hit again. Its credit for the rest is scaled by the same ratio, so
+//! a prefix that moved stays where it went (its new holder has full
+//! credit) as the replica's rate recovers and the fraction shrinks.
+//! Without that, the fraction settled where the prefixes that came back
+//! kept the replica evicting (8-9 of its 10 groups, 69% hits).
+
+use crate::score::{rendezvous, Candidate};
+
+use super::Hashed;
+
+/// A rate under this share of the pool's median marks a replica that
+/// evicts what it is credited with. Replicas differ anyway: those that
+/// take the prefixes leaving an evicting replica prefill them cold, and
+/// dip for a while. (When an evicting replica still took new prefixes,
+/// one such dip went under this line and that replica lost its prefixes
+/// in turn. At 0.7, a replica at a quarter of the KV cache, at 0.6-0.7 of
+/// the median, was left alone half the time.)
+pub(super) const TRUST_BELOW: f32 = 0.8;
+
+/// Salt, so the prefixes that move are not the ones rendezvous orders
+/// first on the same key.
+const SALT: u64 = 0x6576_6963_7469_6e67;
+
+/// Withholds the credit of candidates that evict what they are credited
+/// with (see the module doc), for this request's prefix; returns how many.
+pub(super) fn withhold(cands: &mut [Candidate], hashed: &Hashed) -> usize {
+    let Some(median) = median(cands.iter().filter_map(|c| c.hit_rate)) else {
+        return 0;
+    };
+    if median <= 0.0 {
+        return 0;
+    }
+    let mut withheld = 0;
+    for c in cands.iter_mut() {
+        let Some(rate) = c.hit_rate else { continue };
+        let trust = rate / median;
+        if trust >= TRUST_BELOW {
+            continue;
+        }
+        c.trust = trust;
+        if c.matched == 0 {
+            // No new prefixes for it while it evicts: the prefixes that
+            // left another evicting replica landed here and made it evict
+            // in turn (seed 2: a second replica drained to 169 requests).
+            c.evicting = true;
+            continue;
+        }
+        // The prefix the replica is credited with, as a key: the same for
+        // every request that shares it.
+        let held = hashed.checkpoint_at(c.matched).unwrap_or(0);
+        let draw = rendezvous(held ^ SALT, c.id) as f64 / u64::MAX as f64;
+        if draw < f64::from(1.0 - trust) {
+            c.matched = 0;
+            c.evicting = true;
+            withheld += 1;
+        }
+    }
+    withheld
+}
+
+/// The median of the known rates (the upper one of an even count).
+fn median(rates: impl Iterator<Item = f32>) -> Option<f32> {
+    let mut v: Vec<f32> = rates.filter(|r| r.is_finite()).collect();
+    v.sort_by(f32::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::Checkpoint;
+
+    fn cand(id: u64, matched: u32, hit_rate: Option<f32>) -> Candidate {
+        Candidate {
+            id,
+            matched,
+            load: Default::default(),
+            waiting: 0.0,
+            running: 0.0,
+            kv_usage: 0.0,
+            lora: Default::default(),
+            affinity: false,
+            hit_rate,
+            evicting: false,
+            trust: 1.0,
+        }
+    }
+
+    fn hashed(key: u64) -> Hashed {
+        Hashed {
+            checkpoints: vec![
+                Checkpoint {
+                    blocks: 4,
+                    hash: key,
+                    on_schedule: true,
+                },
+                Checkpoint {
+                    blocks: 8,
+                    hash: key ^ 1,
+                    on_schedule: true,
+                },
+            ],
+            ..Hashed::default()
+        }
+    }
+
+    /// Over many prefixes held by a replica at `rate` (pool median 0.95):
+    /// how many lose its credit.
+    fn share_withheld(rate: f32) -> f64 {
+        let n = 2_000;
+        let mut lost = 0;
+        for key in 0..n {
+            let mut cands: Vec<Candidate> = (1..=7).map(|i| cand(i, 0, Some(0.95))).collect();
+            cands.push(cand(8, 4, Some(rate)));
+            lost += withhold(&mut cands, &hashed(key * 7919));
+            assert!(cands[..7].iter().all(|c| c.matched == 0));
+        }
+        lost as f64 / n as f64
+    }
+
+    #[test]
+    fn an_evicting_replica_loses_the_credit_of_about_its_excess() {
+        // At 57% against 95%: about 40% of its prefixes move.
+        let s = share_withheld(0.57);
+        assert!((0.35..0.45).contains(&s), "{s}");
+        // At 30%: about 70%.
+        let s = share_withheld(0.285);
+        assert!((0.65..0.75).contains(&s), "{s}");
+        // Within the tolerance: nothing moves.
+        assert_eq!(share_withheld(0.95 * TRUST_BELOW + 0.01), 0.0);
+        assert_eq!(share_withheld(0.95), 0.0);
+    }
+
+    #[test]
+    fn the_same_prefixes_move_for_every_request_and_instance() {
+        let run = |key: u64| {
+            let mut cands = vec![
+                cand(1, 4, Some(0.9)),
+                cand(2, 4, Some(0.3)),
+                cand(3, 0, Some(0.9)),
+            ];
+            withhold(&mut cands, &hashed(key));
+            cands.iter().map(|c| c.matched).collect::<Vec<_>>()
+        };
+        let mut moved = 0;
+        for key in 0..500 {
+            let first = run(key);
+            assert_eq!(run(key), first);
+            // Only the evicting replica ever loses credit.
+            assert_eq!((first[0], first[2]), (4, 0));
+            // And takes no new prefix.
+            let mut c = vec![cand(1, 0, Some(0.9)), cand(2, 0, Some(0.3))];
+            withhold(&mut c, &hashed(key));
+            assert_eq!((c[0].evicting, c[1].evicting), (false, true));
+            moved += usize::from(first[1] == 0);
+        }
+        assert!((300..400).contains(&moved), "{moved}");
+    }
+
+    #[test]
+    fn no_measurement_no_change() {
+        // Rates unknown (no counters, too few lookups), or nobody hits.
+        for rates in [[None, None], [Some(0.0), Some(0.0)], [None, Some(0.1)]] {
+            let mut cands = vec![cand(1, 4, rates[0]), cand(2, 4, rates[1])];
+            assert_eq!(withhold(&mut cands, &hashed(3)), 0);
+            assert!(cands.iter().all(|c| c.matched == 4));
+        }
+    }
+}
