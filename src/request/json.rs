@@ -329,24 +329,7 @@ const CLOSE: Class = Class { x: b'}', or: 0x20 };
 /// operations; the first quote not escaped ends the string. The cost is
 /// per block, not per escape.
 pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: SSE2 is part of the x86_64 baseline: every x86_64 CPU
-        // has it. (The function is entered once per string so that the
-        // block loop inlines into it.)
-        unsafe { sse2::string_end(b, from) }
-    }
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        scan(b, from, simd128_lane)
-    }
-    #[cfg(not(any(
-        target_arch = "x86_64",
-        all(target_arch = "wasm32", target_feature = "simd128")
-    )))]
-    {
-        scan(b, from, swar_lane)
-    }
+    scan(b, from, lane)
 }
 
 /// Where the object or array that opens at `from` ends: the index just
@@ -364,23 +347,21 @@ pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
 /// definitions are a token every ten bytes or so, so this is several
 /// times cheaper than walking them token by token.
 pub(super) fn container_end(b: &[u8], from: usize) -> Result<usize, JsonError> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: as in `string_end`.
-        unsafe { sse2::container_end(b, from) }
-    }
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        structure(b, from, simd128_lane)
-    }
-    #[cfg(not(any(
-        target_arch = "x86_64",
-        all(target_arch = "wasm32", target_feature = "simd128")
-    )))]
-    {
-        structure(b, from, swar_lane)
-    }
+    structure(b, from, lane)
 }
+
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+use simd128_lane as lane;
+/// The target's 16-byte class mask: SSE2 natively (part of the x86_64
+/// baseline), wasm SIMD in the filter's build, eight bytes per word
+/// elsewhere.
+#[cfg(target_arch = "x86_64")]
+use sse2_lane as lane;
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+use swar_lane as lane;
 
 /// The masks of `classes` over the 64 bytes at the start of `rest`
 /// (zero-padded past its end: zero is in no class), and how many bytes
@@ -564,28 +545,15 @@ fn escaped(slashes: u64, carry: &mut bool) -> u64 {
 
 /// SSE2 lanes.
 #[cfg(target_arch = "x86_64")]
-mod sse2 {
+#[inline]
+fn sse2_lane(c: &[u8; 16], class: Class) -> u16 {
     use std::arch::x86_64::{
         __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
     };
-
-    use super::{Class, JsonError};
-
-    #[target_feature(enable = "sse2")]
-    pub(super) fn string_end(b: &[u8], from: usize) -> Option<(usize, bool)> {
-        super::scan(b, from, |c, class| lane(c, class))
-    }
-
-    #[target_feature(enable = "sse2")]
-    pub(super) fn container_end(b: &[u8], from: usize) -> Result<usize, JsonError> {
-        super::structure(b, from, |c, class| lane(c, class))
-    }
-
-    #[target_feature(enable = "sse2")]
-    #[inline]
-    pub(super) fn lane(c: &[u8; 16], class: Class) -> u16 {
-        // SAFETY: `c` is 16 readable bytes; loadu needs no alignment.
-        let mut v = unsafe { _mm_loadu_si128(c.as_ptr().cast::<__m128i>()) };
+    // SAFETY: SSE2 is part of the x86_64 baseline (every x86_64 CPU has
+    // it); `c` is 16 readable bytes, and loadu needs no alignment.
+    unsafe {
+        let mut v = _mm_loadu_si128(c.as_ptr().cast::<__m128i>());
         if class.or != 0 {
             v = _mm_or_si128(v, _mm_set1_epi8(class.or as i8));
         }
@@ -688,8 +656,7 @@ mod tests {
                     .enumerate()
                     .fold(0u16, |m, (i, b)| m | (u16::from(members.contains(b)) << i));
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: SSE2 is part of the x86_64 baseline.
-                assert_eq!(unsafe { sse2::lane(&c, class) }, want, "{c:?} {class:?}");
+                assert_eq!(sse2_lane(&c, class), want, "{c:?} {class:?}");
                 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
                 assert_eq!(simd128_lane(&c, class), want, "{c:?} {class:?}");
                 assert_eq!(swar_lane(&c, class), want, "{c:?} {class:?}");
