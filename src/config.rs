@@ -141,7 +141,7 @@ impl Default for Config {
             mode: Mode::default(),
             shadow_baseline: Baseline::default(),
             gateways: 1,
-            hit_rate_feedback: false,
+            hit_rate_feedback: true,
             affinity: None,
             #[cfg(feature = "fault-injection")]
             debug_trap_on_request: None,
@@ -663,9 +663,9 @@ mod tests {
     fn gateways_default_to_one_and_are_bounded() {
         let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"]}"#).unwrap();
         assert_eq!(c.gateways, 1);
-        assert!(!c.hit_rate_feedback);
-        let on = br#"{"endpoints":["10.0.0.1:1"],"hit_rate_feedback":true}"#;
-        assert!(Config::parse(on).unwrap().hit_rate_feedback);
+        assert!(c.hit_rate_feedback);
+        let off = br#"{"endpoints":["10.0.0.1:1"],"hit_rate_feedback":false}"#;
+        assert!(!Config::parse(off).unwrap().hit_rate_feedback);
         let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"],"gateways":64}"#).unwrap();
         assert_eq!(c.gateways, 64);
         for bad in ["0", "65"] {

@@ -13,8 +13,8 @@ use crate::endpoint::ReplicaId;
 use crate::store::{self, get_existing, update, Store, Writer};
 
 /// 2: placed content; 3: the common record envelope (`store::Writer`);
-/// 4: placed branches.
-const VERSION: u8 = 4;
+/// 4: placed branches; 5: blocks sent.
+const VERSION: u8 = 5;
 /// The slot counter's (unversioned before: a bare u32).
 const COUNT_VERSION: u8 = 1;
 /// Placed-content estimates halve this often: roughly how long a model
@@ -37,6 +37,39 @@ pub struct Load {
     /// like `placed`: how many groups, documents or sessions it took on,
     /// whatever their size, each of which brings its followers there.
     pub branches: u32,
+    /// Prefix blocks recently sent to the replica, decaying like `placed`:
+    /// of these, all but `placed` were blocks the index credited it with,
+    /// the share of hits it should measure (`route::evicting`).
+    pub sent: u32,
+}
+
+/// The index must have expected this many blocks of hits on a replica
+/// lately (64 KiB of prompt, about 16k tokens) before the rate it expects
+/// there is given: with less, a few cold requests decide.
+pub const MIN_EXPECTED_BLOCKS: u32 = 1024;
+
+impl Load {
+    /// The share of the blocks sent here lately that the index credited
+    /// the replica with, once it expected `MIN_EXPECTED_BLOCKS` of hits:
+    /// what its own prefix cache should report hitting.
+    pub fn expected_hit_rate(&self) -> Option<f32> {
+        let held = self.sent.saturating_sub(self.placed);
+        (held >= MIN_EXPECTED_BLOCKS).then(|| held as f32 / self.sent as f32)
+    }
+}
+
+/// One request as it starts on a replica: what the board counts.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Start {
+    /// Work in flight until it finishes (see `score`).
+    pub work: u64,
+    /// Its prompt's blocks, and how many of them the index credited the
+    /// replica with: the rest is new content placed there.
+    pub blocks: u32,
+    pub held: u32,
+    /// It placed new content there (a new prefix, or new content below a
+    /// shared trunk).
+    pub branch: bool,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -51,14 +84,15 @@ fn slot_key(i: u32) -> String {
 }
 
 fn encode(s: &Slot) -> Vec<u8> {
-    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 28);
+    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 32);
     w.u64(s.owner).u64(s.heartbeat_ms).count(s.loads.len());
     for (id, l) in &s.loads {
         w.u64(*id)
             .u32(l.requests)
             .u64(l.work)
             .u32(l.placed)
-            .u32(l.branches);
+            .u32(l.branches)
+            .u32(l.sent);
     }
     w.finish()
 }
@@ -71,7 +105,8 @@ fn decode(buf: &[u8]) -> Option<Slot> {
         let mut loads = Vec::with_capacity(n);
         for _ in 0..n {
             let id = r.u64()?;
-            let (requests, work, placed, branches) = (r.u32()?, r.u64()?, r.u32()?, r.u32()?);
+            let (requests, work) = (r.u32()?, r.u64()?);
+            let (placed, branches, sent) = (r.u32()?, r.u32()?, r.u32()?);
             loads.push((
                 id,
                 Load {
@@ -79,6 +114,7 @@ fn decode(buf: &[u8]) -> Option<Slot> {
                     work,
                     placed,
                     branches,
+                    sent,
                 },
             ));
         }
@@ -150,23 +186,14 @@ impl LoadBoard {
         self.slot
     }
 
-    /// A request starts on `id`: `work` in flight, `new_blocks` of prefix
-    /// it didn't hold; `branch` when it placed new content there (a new
-    /// prefix, or new content below a shared trunk).
-    pub fn start<S: Store + ?Sized>(
-        &mut self,
-        store: &S,
-        id: ReplicaId,
-        work: u64,
-        new_blocks: u32,
-        branch: bool,
-        now_ms: u64,
-    ) {
+    /// A request starts on `id`.
+    pub fn start<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, s: Start, now_ms: u64) {
         let l = self.local.entry(id).or_default();
         l.requests = l.requests.saturating_add(1);
-        l.work = l.work.saturating_add(work);
-        l.placed = l.placed.saturating_add(new_blocks);
-        l.branches = l.branches.saturating_add(u32::from(branch));
+        l.work = l.work.saturating_add(s.work);
+        l.placed = l.placed.saturating_add(s.blocks.saturating_sub(s.held));
+        l.branches = l.branches.saturating_add(u32::from(s.branch));
+        l.sent = l.sent.saturating_add(s.blocks);
         self.publish(store, now_ms);
     }
 
@@ -199,10 +226,11 @@ impl LoadBoard {
             for l in self.local.values_mut() {
                 l.placed = halve(l.placed);
                 l.branches = halve(l.branches);
+                l.sent = halve(l.sent);
             }
         }
         self.local
-            .retain(|_, l| l.requests > 0 || l.placed > 0 || l.branches > 0);
+            .retain(|_, l| l.requests > 0 || l.placed > 0 || l.branches > 0 || l.sent > 0);
     }
 
     /// Called on the timer: keeps the slot fresh while the VM lives.
@@ -355,24 +383,35 @@ pub fn snapshot<S: Store + ?Sized>(
             t.work = t.work.saturating_add(l.work);
             t.placed = t.placed.saturating_add(l.placed);
             t.branches = t.branches.saturating_add(l.branches);
+            t.sent = t.sent.saturating_add(l.sent);
         }
     }
     out
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::store::MemStore;
+
+    /// A request of `new_blocks` the replica didn't hold.
+    pub(crate) fn started(work: u64, new_blocks: u32, branch: bool) -> Start {
+        Start {
+            work,
+            blocks: new_blocks,
+            held: 0,
+            branch,
+        }
+    }
 
     #[test]
     fn workers_counts_add_up_and_drain_to_zero() {
         let s = MemStore::new();
         let mut w1 = LoadBoard::new(1, 1000);
         let mut w2 = LoadBoard::new(2, 1000);
-        w1.start(&s, 10, 5, 0, false, 0);
-        w2.start(&s, 10, 7, 0, false, 0);
-        w2.start(&s, 20, 1, 0, false, 0);
+        w1.start(&s, 10, started(5, 0, false), 0);
+        w2.start(&s, 10, started(7, 0, false), 0);
+        w2.start(&s, 20, started(1, 0, false), 0);
         assert_ne!(w1.slot(), w2.slot());
         let snap = snapshot(&s, 1, 1000);
         assert_eq!(
@@ -394,11 +433,11 @@ mod tests {
     fn a_dead_workers_counts_expire_and_its_slot_is_reused() {
         let s = MemStore::new();
         let mut dead = LoadBoard::new(1, 1000);
-        dead.start(&s, 10, 5, 0, false, 0);
+        dead.start(&s, 10, started(5, 0, false), 0);
         assert_eq!(snapshot(&s, 500, 1000)[&10].requests, 1);
         assert!(snapshot(&s, 1500, 1000).is_empty());
         let mut next = LoadBoard::new(2, 1000);
-        next.start(&s, 11, 1, 0, false, 1500);
+        next.start(&s, 11, started(1, 0, false), 1500);
         assert_eq!(next.slot(), dead.slot());
         assert_eq!(slot_count(&s), 1);
     }
@@ -407,10 +446,10 @@ mod tests {
     fn a_vm_whose_slot_was_taken_moves_with_its_counts() {
         let s = MemStore::new();
         let mut slow = LoadBoard::new(1, 1000);
-        slow.start(&s, 10, 5, 0, false, 0);
+        slow.start(&s, 10, started(5, 0, false), 0);
         // Looked dead at t=2000, so a new VM took slot 0.
         let mut fresh = LoadBoard::new(2, 1000);
-        fresh.start(&s, 11, 1, 0, false, 2000);
+        fresh.start(&s, 11, started(1, 0, false), 2000);
         assert_eq!(fresh.slot(), Some(0));
         slow.heartbeat(&s, 2001);
         assert_eq!(slow.slot(), Some(1));
@@ -424,7 +463,7 @@ mod tests {
         let s = MemStore::new();
         let mut w = LoadBoard::new(1, 1_000_000);
         for (work, branch) in [(5, true), (6, true), (7, false)] {
-            w.start(&s, 10, work, 64, branch, 1);
+            w.start(&s, 10, started(work, 64, branch), 1);
             w.finish(&s, 10, work, 2);
         }
         let snap = snapshot(&s, 3, 1_000_000);
@@ -435,6 +474,42 @@ mod tests {
         assert_eq!((later.placed, later.branches), (96, 1));
         w.heartbeat(&s, 1 + 20 * PLACED_HALF_LIFE_MS);
         assert!(snapshot(&s, 2 + 20 * PLACED_HALF_LIFE_MS, 1_000_000).is_empty());
+    }
+
+    #[test]
+    fn the_expected_hit_rate_is_the_credited_share_of_what_was_sent() {
+        let s = MemStore::new();
+        let mut w = LoadBoard::new(1, 1_000_000);
+        let mut w2 = LoadBoard::new(2, 1_000_000);
+        // A cold prompt, then three that the index credited with 90% each.
+        let cold = Start {
+            blocks: 1000,
+            ..Start::default()
+        };
+        w.start(&s, 10, cold, 1);
+        let s90 = Start {
+            blocks: 400,
+            held: 360,
+            ..Start::default()
+        };
+        w.start(&s, 10, s90, 1);
+        w2.start(&s, 10, s90, 1);
+        w2.start(&s, 10, s90, 1);
+        let l = snapshot(&s, 2, 1_000_000)[&10];
+        assert_eq!((l.sent, l.placed), (2200, 1120));
+        assert_eq!(l.expected_hit_rate(), Some(1080.0 / 2200.0));
+        // Too little expected to compare a measured rate with.
+        let short = Load {
+            placed: l.sent - (MIN_EXPECTED_BLOCKS - 1),
+            ..l
+        };
+        assert_eq!(short.expected_hit_rate(), None);
+        assert_eq!(Load::default().expected_hit_rate(), None);
+        // Halved together: the share stays.
+        w.heartbeat(&s, 1 + PLACED_HALF_LIFE_MS);
+        w2.heartbeat(&s, 1 + PLACED_HALF_LIFE_MS);
+        let l = snapshot(&s, 2 + PLACED_HALF_LIFE_MS, 1_000_000)[&10];
+        assert_eq!((l.sent, l.placed), (1100, 560));
     }
 
     #[test]
@@ -458,7 +533,7 @@ mod tests {
                 // The rival starts and claims between our read of the
                 // empty store and our first write.
                 if let Some(mut b) = self.rival.borrow_mut().take() {
-                    b.start(self.inner, 20, 1, 0, false, 0);
+                    b.start(self.inner, 20, started(1, 0, false), 0);
                     assert_eq!(b.slot(), Some(0));
                 }
                 self.inner.set(key, value, cas)
@@ -470,7 +545,7 @@ mod tests {
             rival: std::cell::RefCell::new(Some(LoadBoard::new(2, 1000))),
         };
         let mut a = LoadBoard::new(1, 1000);
-        a.start(&racing, 10, 1, 0, false, 0);
+        a.start(&racing, 10, started(1, 0, false), 0);
         a.heartbeat(&s, 1);
         assert_eq!(a.slot(), Some(1));
         // The rival never had to move: its counts were never overwritten.
@@ -503,6 +578,7 @@ mod tests {
                     work: 5,
                     placed: 6,
                     branches: 7,
+                    sent: 8,
                 },
             )],
         });

@@ -366,6 +366,7 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
     // Zero increments are host calls for nothing: skip them.
     for (m, v) in [
         (s.credit_withheld, c.withheld),
+        (s.replica_evicting, u32::from(c.evicting > 0)),
         (s.index_entries, rec.inserted),
         (s.index_evictions, rec.evicted),
         (s.index_cas_retries, rec.cas_retries),

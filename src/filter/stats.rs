@@ -57,6 +57,11 @@ pub struct ReplicaStats {
     /// What this VM last recorded into `inflight` (host calls only on
     /// change).
     pub inflight_shown: Option<u64>,
+    /// The share of what this instance sent the replica lately that the
+    /// index credited it with, in percent: what its `cache_hit_percent`
+    /// should read (see `route::evicting`).
+    pub expected: Metric,
+    pub expected_shown: Option<u64>,
 }
 
 impl ReplicaStats {
@@ -67,6 +72,8 @@ impl ReplicaStats {
             routed: define(MetricType::Counter, "routed"),
             inflight: define(MetricType::Gauge, "inflight"),
             inflight_shown: None,
+            expected: define(MetricType::Gauge, "cache_expected_percent"),
+            expected_shown: None,
         }
     }
 }
@@ -78,6 +85,7 @@ pub struct Stats {
     pub new_prefix: Metric,
     pub new_branch: Metric,
     pub credit_withheld: Metric,
+    pub replica_evicting: Metric,
     pub affinity: Metric,
     pub affinity_rejected: Metric,
     pub no_prompt: Metric,
@@ -120,6 +128,7 @@ impl Stats {
             new_prefix: c("decision.new_prefix"),
             new_branch: c("decision.new_branch"),
             credit_withheld: c("decision.credit_withheld"),
+            replica_evicting: c("decision.replica_evicting"),
             affinity: c("decision.affinity"),
             affinity_rejected: c("affinity.rejected"),
             no_prompt: c("decision.no_prompt"),
@@ -160,10 +169,11 @@ impl Stats {
         self.replicas.get(&id)
     }
 
-    /// Set the in-flight gauges from the pool's live load slots. A gauge
-    /// bumped per request by each VM would keep a dead VM's requests
-    /// forever; the slots of a dead VM expire, and so do its counts here.
-    pub fn show_inflight<M: Metrics + ?Sized>(
+    /// Set the in-flight and expected-hit gauges from the pool's live load
+    /// slots. A gauge bumped per request by each VM would keep a dead VM's
+    /// requests forever; the slots of a dead VM expire, and so do its
+    /// counts here.
+    pub fn show_load<M: Metrics + ?Sized>(
         &mut self,
         m: &M,
         endpoints: &[Endpoint],
@@ -175,6 +185,14 @@ impl Stats {
             if r.inflight_shown != Some(now) {
                 r.inflight.record(m, now);
                 r.inflight_shown = Some(now);
+            }
+            let expected = load
+                .get(&e.id())
+                .and_then(Load::expected_hit_rate)
+                .map(|rate| (rate * 100.0).round() as u64);
+            if let Some(pct) = expected.filter(|&p| r.expected_shown != Some(p)) {
+                r.expected.record(m, pct);
+                r.expected_shown = Some(pct);
             }
         }
     }

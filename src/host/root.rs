@@ -113,7 +113,7 @@ impl RootContext for Root {
             w.router.refresh(&SharedData);
             let w = &mut *w;
             let live = load::snapshot(&SharedData, now, w.router.stale_ms());
-            w.stats.show_inflight(&Envoy, w.router.endpoints(), &live);
+            w.stats.show_load(&Envoy, w.router.endpoints(), &live);
         }
         if let Some(s) = &mut self.scraper {
             s.tick(&w.borrow().router, now);

@@ -13,19 +13,29 @@
 //!
 //! The replica says so itself: its prefix cache's hit rate, from its own
 //! counters (`replicas::CacheRate`), which every gateway instance reads
-//! alike. A replica whose rate is under [`TRUST_BELOW`] of the pool's
-//! median is oversubscribed by about median / rate: it takes no new
-//! prefixes while it is, and a fraction
-//! `1 - rate / median` of the prefixes it is credited with lose their
-//! credit there, and placing one there again counts a second prefill (the
-//! copy would be evicted in turn). Which ones is a hash of (prefix,
-//! replica), the same on every instance and for every request of a
-//! prefix, so those prefixes move to another replica and the rest stay
-//! and hit again. Its credit for the rest is scaled by the same ratio, so
-//! a prefix that moved stays where it went (its new holder has full
-//! credit) as the replica's rate recovers and the fraction shrinks.
-//! Without that, the fraction settled where the prefixes that came back
-//! kept the replica evicting (8-9 of its 10 groups, 69% hits).
+//! alike, against the rate the index expected of it: the share of the
+//! blocks sent there lately that it was credited with (`load::Load`).
+//! What it keeps of that, `measured / expected` (at most 1), is compared
+//! with the pool's median: a replica under [`TRUST_BELOW`] of the median
+//! keeps about `kept / median` of what it is credited with. It takes no
+//! new prefixes while it is, and a fraction `1 - kept / median` of the
+//! prefixes it is credited with lose their credit there, and placing one
+//! there again counts a second prefill (the copy would be evicted in
+//! turn). Which ones is a hash of (prefix, replica), the same on every
+//! instance and for every request of a prefix, so those prefixes move to
+//! another replica and the rest stay and hit again. Its credit for the
+//! rest is scaled by the same ratio, so a prefix that moved stays where
+//! it went (its new holder has full credit) as the replica recovers and
+//! the fraction shrinks. Without that, the fraction settled where the
+//! prefixes that came back kept the replica evicting (8-9 of its 10
+//! groups, 69% hits).
+//!
+//! Against the expected rate, not the raw one: replicas' raw rates differ
+//! with what they are sent. Unique prompts below a short shared system
+//! prompt (raw rates of 8% and 11%: 0.73 of the median) would read as
+//! evicting against the median of raw rates, and so would a replica that
+//! just took cold copies of a long preamble; the index expected those
+//! misses, so they don't count.
 
 use crate::score::{rendezvous, Candidate};
 
@@ -47,7 +57,7 @@ const SALT: u64 = 0x6576_6963_7469_6e67;
 /// Withholds the credit of candidates that evict what they are credited
 /// with (see the module doc), for this request's prefix; returns how many.
 pub(super) fn withhold(cands: &mut [Candidate], hashed: &Hashed) -> usize {
-    let Some(median) = median(cands.iter().filter_map(|c| c.hit_rate)) else {
+    let Some(median) = median(cands.iter().filter_map(kept)) else {
         return 0;
     };
     if median <= 0.0 {
@@ -55,8 +65,8 @@ pub(super) fn withhold(cands: &mut [Candidate], hashed: &Hashed) -> usize {
     }
     let mut withheld = 0;
     for c in cands.iter_mut() {
-        let Some(rate) = c.hit_rate else { continue };
-        let trust = rate / median;
+        let Some(kept) = kept(c) else { continue };
+        let trust = kept / median;
         if trust >= TRUST_BELOW {
             continue;
         }
@@ -81,6 +91,16 @@ pub(super) fn withhold(cands: &mut [Candidate], hashed: &Hashed) -> usize {
     withheld
 }
 
+/// The share of the hits the index expected on a replica that it
+/// measures (at most 1: hits the index didn't expect, on answers the
+/// model server cached or on prefixes another gateway instance placed,
+/// make up for nothing); `None` until both rates are known.
+fn kept(c: &Candidate) -> Option<f32> {
+    let measured = c.hit_rate?;
+    let expected = c.load.expected_hit_rate()?;
+    Some((measured / expected).clamp(0.0, 1.0)).filter(|k| k.is_finite())
+}
+
 /// The median of the known rates (the upper one of an even count).
 fn median(rates: impl Iterator<Item = f32>) -> Option<f32> {
     let mut v: Vec<f32> = rates.filter(|r| r.is_finite()).collect();
@@ -91,13 +111,24 @@ fn median(rates: impl Iterator<Item = f32>) -> Option<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::load::{Load, MIN_EXPECTED_BLOCKS};
     use crate::prefix::Checkpoint;
 
+    /// A replica the index expected to hit 95% of what it was sent.
     fn cand(id: u64, matched: u32, hit_rate: Option<f32>) -> Candidate {
+        expecting(id, matched, hit_rate, 0.95)
+    }
+
+    fn expecting(id: u64, matched: u32, hit_rate: Option<f32>, expected: f64) -> Candidate {
+        let sent = 100_000;
         Candidate {
             id,
             matched,
-            load: Default::default(),
+            load: Load {
+                sent,
+                placed: (f64::from(sent) * (1.0 - expected)).round() as u32,
+                ..Load::default()
+            },
             waiting: 0.0,
             running: 0.0,
             kv_usage: 0.0,
@@ -188,5 +219,47 @@ mod tests {
             assert_eq!(withhold(&mut cands, &hashed(3)), 0);
             assert!(cands.iter().all(|c| c.matched == 4));
         }
+    }
+
+    #[test]
+    fn misses_the_index_expected_are_no_eviction() {
+        // Unique prompts below a short shared system prompt: each replica
+        // hits about what it was credited with, 8-11%. Raw, the lowest is
+        // far under the median; against what was expected, none is.
+        let rates = [0.08, 0.11, 0.10, 0.11];
+        let mut cands: Vec<Candidate> = (0..4)
+            .map(|i| {
+                expecting(
+                    i + 1,
+                    2,
+                    Some(rates[i as usize]),
+                    f64::from(rates[i as usize]),
+                )
+            })
+            .collect();
+        assert!(rates[0] / median(rates.into_iter()).unwrap() < TRUST_BELOW);
+        // A replica that just took cold copies of a long preamble: it was
+        // expected to miss them.
+        cands.push(expecting(5, 2, Some(0.55), 0.6));
+        for key in 0..200 {
+            let mut c = cands.clone();
+            assert_eq!(withhold(&mut c, &hashed(key)), 0);
+            assert!(c.iter().all(|c| !c.evicting && c.trust == 1.0));
+        }
+    }
+
+    #[test]
+    fn a_rate_is_judged_only_once_enough_hits_were_expected() {
+        let mut low = cand(8, 4, Some(0.2));
+        low.load.sent = MIN_EXPECTED_BLOCKS;
+        low.load.placed = 1;
+        let mut pool: Vec<Candidate> = (1..=3).map(|i| cand(i, 0, Some(0.95))).collect();
+        pool.push(low);
+        assert_eq!(withhold(&mut pool.clone(), &hashed(5)), 0);
+        pool[3].load.placed = 0;
+        let judged = (0..200)
+            .filter(|&key| withhold(&mut pool.clone(), &hashed(key)) == 1)
+            .count();
+        assert!((140..190).contains(&judged), "{judged}");
     }
 }

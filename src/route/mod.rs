@@ -13,7 +13,7 @@ use crate::config::{Baseline, Config};
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::index::{Matches, PrefixIndex, RecordStats};
-use crate::load::{self, LoadBoard};
+use crate::load::{self, LoadBoard, Start};
 use crate::replicas::{HealthPolicy, Row, Table};
 use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
 use crate::store::Store;
@@ -72,6 +72,9 @@ pub struct Choice {
     /// Replicas whose credit for this prefix was withheld because they
     /// evict more than they are credited with (`evicting`).
     pub withheld: u32,
+    /// Eligible replicas judged to evict what they hold (`evicting`):
+    /// their credit scaled down, no new prefixes for them.
+    pub evicting: u32,
 }
 
 /// Why a decision went the way it did: built only on request
@@ -355,6 +358,7 @@ impl Router {
         } else {
             0
         };
+        let evicting = cands.iter().filter(|c| c.trust < 1.0).count() as u32;
         let blocks = hashed.blocks();
         let agreed = if self.params.agree() {
             agreed_below_lead(&self.index, store, hashed, &mut cands, &self.params)
@@ -425,6 +429,7 @@ impl Router {
             matches,
             home,
             withheld,
+            evicting,
         })
     }
 
@@ -510,7 +515,6 @@ impl Router {
         // a real prefill, and each replica's first copy counts once; left
         // out, only the trunk's first holder was charged for it and it got
         // a fraction of the documents that followed.
-        let new_blocks = choice.blocks.saturating_sub(choice.matched);
         let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
         if let Some(home) = choice.home {
             // A session placed anew counts once: where it stays, or where
@@ -520,7 +524,13 @@ impl Router {
                 board.withdraw_branch(home);
             }
         }
-        board.start(store, ep.id(), choice.work, new_blocks, branch, now_ms);
+        let started = Start {
+            work: choice.work,
+            blocks: choice.blocks,
+            held: choice.matched,
+            branch,
+        };
+        board.start(store, ep.id(), started, now_ms);
         if hashed.is_empty() {
             return RecordStats::default();
         }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::load::tests::started;
 use crate::request::extract;
 use crate::store::MemStore;
 
@@ -163,7 +164,7 @@ fn agent_sessions_spread_evenly_when_their_first_result_finds_home_busy() {
     // sessions each replica took, not by who is idle this instant.
     let mut homes = Vec::new();
     for (a, &took) in first.iter().enumerate() {
-        board.start(&s, id(took), 900, 0, false, 1000);
+        board.start(&s, id(took), started(900, 0, false), 1000);
         let c = run(&agent(a, 1), &mut board);
         board.finish(&s, id(took), 900, 1000);
         assert_eq!(c.reason, Reason::NewBranch, "session {a}");
@@ -310,7 +311,7 @@ fn a_session_spilled_past_its_two_replicas_returns_to_them() {
     let id = |i: usize| r.endpoint(i).unwrap().id();
     for &i in &order[..2] {
         for _ in 0..2 {
-            board.start(&s, id(i), 20_000, 0, false, 1000);
+            board.start(&s, id(i), started(20_000, 0, false), 1000);
         }
     }
     let spilled = run(&r, &s, &mut board, &chat(7, 1));
@@ -346,7 +347,7 @@ fn a_session_on_the_second_of_its_replicas_moves_to_the_first_once_it_has_room()
     }
     let order = agreed_order(&r, 7);
     let first = r.endpoint(order[0]).unwrap().id();
-    board.start(&s, first, 1_000, 0, false, 1000);
+    board.start(&s, first, started(1_000, 0, false), 1000);
     for turns in 1..3 {
         let c = run(&r, &s, &mut board, &chat(7, turns));
         assert_eq!(c.order[0], order[1], "turn {turns}");

@@ -93,10 +93,10 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
     it is sent (a smaller KV cache than its share) keeps only part of its
     groups: the others move, once, to replicas that keep them."""
     def doc(g):
-        return f"Document {g}. " + f"Facts of group {g}, with figures. " * 120
+        return f"Document {g}. " + f"Facts of group {g}, with figures. " * 400
 
     with backends(4, metrics=vllm_metrics(cache=(0, 0))) as bs:
-        with start([b.addr for b in bs], debug_header=True, hit_rate_feedback=True) as envoy:
+        with start([b.addr for b in bs], debug_header=True) as envoy:  # hit_rate_feedback is on by default
             home = {}
             for g in range(40):
                 status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q0?"))
@@ -105,6 +105,18 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             small = str(bs[0].port)
             mine = [g for g in home if home[g] == small]
             assert len(mine) >= 4, Counter(home.values())
+            # Two more questions each: the index now expects each replica to
+            # hit most of what it is sent (what it measures is judged against
+            # that, once 1,024 blocks of hits were expected).
+            for q in ("Qa", "Qb"):
+                for g in range(40):
+                    _, headers, _ = request(envoy.port, body=completion(doc(g) + f" {q}?"))
+                    assert headers["x-served-by"] == home[g]
+            # The index credited each replica with about two thirds of what
+            # it sent it (one cold round, two warm ones).
+            expected = f"{stat_label(bs[0].addr)}.cache_expected_percent"
+            assert wait_until(lambda: 55 <= envoy.stat(expected) <= 70), envoy.stat(expected)
+            assert envoy.stat("prefix_router.decision.replica_evicting") == 0
             # Counters that grow: replica 0 hits 30% of the tokens it looks
             # up, the others 95%.
             for step in range(1, 11):
@@ -132,6 +144,8 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             assert all(served[g] == home[g] for g in home if home[g] != small)
             assert all(served[g] != small for g in home if home[g] != small)
             assert envoy.stat("prefix_router.decision.credit_withheld") >= len(moved)
+            # Every request after the counters changed saw it evicting.
+            assert envoy.stat("prefix_router.decision.replica_evicting") == 120
 
 
 def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
