@@ -31,11 +31,11 @@
 //! groups, 69% hits).
 //!
 //! Against the expected rate, not the raw one: replicas' raw rates differ
-//! with what they are sent. Unique prompts below a short shared system
-//! prompt (raw rates of 8% and 11%: 0.73 of the median) would read as
-//! evicting against the median of raw rates, and so would a replica that
-//! just took cold copies of a long preamble; the index expected those
-//! misses, so they don't count.
+//! with what they are sent. Documents below a shared system prompt (raw
+//! rates of 28% and 41%: 0.7 of the median) would read as evicting
+//! against the median of raw rates, and so would a replica that just took
+//! cold copies of a long preamble; the index expected those misses, so
+//! they don't count.
 
 use crate::score::{rendezvous, Candidate};
 
@@ -49,6 +49,14 @@ use super::Hashed;
 /// in turn. At 0.7, a replica at a quarter of the KV cache, at 0.6-0.7 of
 /// the median, was left alone half the time.)
 pub(super) const TRUST_BELOW: f32 = 0.8;
+
+/// Replicas the index expects to hit less than this share of what they
+/// are sent are not judged: their traffic is mostly new content, a
+/// measured rate of a few percent against an expected few percent is
+/// noise, and there is little credit to lose. Judged anyway, a replica
+/// at 1% against 2% would have been kept from new prompts, which is all
+/// such traffic is.
+const MIN_EXPECTED_RATE: f32 = 0.25;
 
 /// Salt, so the prefixes that move are not the ones rendezvous orders
 /// first on the same key.
@@ -94,10 +102,14 @@ pub(super) fn withhold(cands: &mut [Candidate], hashed: &Hashed) -> usize {
 /// The share of the hits the index expected on a replica that it
 /// measures (at most 1: hits the index didn't expect, on answers the
 /// model server cached or on prefixes another gateway instance placed,
-/// make up for nothing); `None` until both rates are known.
+/// make up for nothing); `None` until both rates are known, and for a
+/// replica expected to hit little (`MIN_EXPECTED_RATE`).
 fn kept(c: &Candidate) -> Option<f32> {
     let measured = c.hit_rate?;
-    let expected = c.load.expected_hit_rate()?;
+    let expected = c
+        .load
+        .expected_hit_rate()
+        .filter(|&e| e >= MIN_EXPECTED_RATE)?;
     Some((measured / expected).clamp(0.0, 1.0)).filter(|k| k.is_finite())
 }
 
@@ -223,10 +235,11 @@ mod tests {
 
     #[test]
     fn misses_the_index_expected_are_no_eviction() {
-        // Unique prompts below a short shared system prompt: each replica
-        // hits about what it was credited with, 8-11%. Raw, the lowest is
-        // far under the median; against what was expected, none is.
-        let rates = [0.08, 0.11, 0.10, 0.11];
+        // A short shared system prompt, then different documents: each
+        // replica hits about what it was credited with, 28-41%. Raw, the
+        // lowest is far under the median; against what was expected, none
+        // is.
+        let rates = [0.28, 0.41, 0.35, 0.40];
         let mut cands: Vec<Candidate> = (0..4)
             .map(|i| {
                 expecting(
@@ -261,5 +274,24 @@ mod tests {
             .filter(|&key| withhold(&mut pool.clone(), &hashed(key)) == 1)
             .count();
         assert!((140..190).contains(&judged), "{judged}");
+    }
+
+    #[test]
+    fn replicas_expected_to_hit_little_are_not_judged() {
+        // Unique prompts below a short system prompt: 1% measured against
+        // 2% expected is noise, not eviction.
+        let mut pool: Vec<Candidate> = (1..=3).map(|i| expecting(i, 2, Some(0.1), 0.1)).collect();
+        pool.push(expecting(4, 2, Some(0.01), 0.02));
+        for key in 0..200 {
+            let mut c = pool.clone();
+            assert_eq!(withhold(&mut c, &hashed(key)), 0);
+            assert!(c.iter().all(|c| !c.evicting && c.trust == 1.0));
+        }
+        // The same gap in a pool expected to hit most of its prompts is
+        // judged.
+        let mut c: Vec<Candidate> = (1..=3).map(|i| expecting(i, 2, Some(0.9), 0.9)).collect();
+        c.push(expecting(4, 2, Some(0.45), 0.9));
+        withhold(&mut c, &hashed(1));
+        assert!(c[3].trust < TRUST_BELOW);
     }
 }
