@@ -127,25 +127,29 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             label = stat_label(bs[0].addr)
             assert wait_until(lambda: envoy.stat(f"{label}.cache_hit_percent") == 30)
             assert envoy.stat(f"{stat_label(bs[1].addr)}.cache_hit_percent") == 95
-            served = {}
-            for rnd in range(3):
+            rounds = 4
+            seen = {g: [] for g in range(40)}
+            for rnd in range(rounds):
                 for g in range(40):
                     status, headers, _ = request(envoy.port, body=completion(doc(g) + f" Q{rnd + 1}?"))
                     assert status == 200
-                    if rnd == 0:
-                        served[g] = headers["x-served-by"]
-                    else:
-                        # Where a group went, it stays.
-                        assert headers["x-served-by"] == served[g], (g, rnd)
-            moved = [g for g in mine if served[g] != small]
-            # About 1 - 0.30 / 0.95 = 68% of its groups leave it; the other
-            # replicas' groups stay.
+                    seen[g].append(headers["x-served-by"])
+            # The other replicas' groups stay where they were.
+            assert all(seen[g] == [home[g]] * rounds for g in home if home[g] != small), seen
+            # Its groups move at most once, away from it, and stay where they
+            # went. (Which ones can grow for a while: the index's expected
+            # rate for it still rises from its cold first round, so it keeps
+            # a little less of its credit each round.)
+            for g in mine:
+                changes = [i for i in range(1, rounds) if seen[g][i] != seen[g][i - 1]]
+                assert len(changes) <= 1, (g, seen[g])
+                assert seen[g][0] == small or not changes, (g, seen[g])
+            moved = [g for g in mine if seen[g][-1] != small]
+            # About 1 - 0.30 / 0.95 = 68% of its groups leave it.
             assert 1 <= len(moved) < len(mine), (moved, mine)
-            assert all(served[g] == home[g] for g in home if home[g] != small)
-            assert all(served[g] != small for g in home if home[g] != small)
             assert envoy.stat("prefix_router.decision.credit_withheld") >= len(moved)
             # Every request after the counters changed saw it evicting.
-            assert envoy.stat("prefix_router.decision.replica_evicting") == 120
+            assert envoy.stat("prefix_router.decision.replica_evicting") == rounds * 40
 
 
 def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
