@@ -2,10 +2,11 @@
 //!
 //! The filter scrapes each replica's `/metrics` page and needs only a handful
 //! of numbers from it: queue depth, running requests, KV-cache usage, the
-//! LoRA adapters in use, and the prefix cache's lookup and hit counters. Everything else on the page (often hundreds of
-//! histogram buckets) is skipped after reading the metric name, so the cost
-//! is one linear pass over a page whose size the caller has already capped,
-//! and memory use is a few small values plus the LoRA names.
+//! LoRA adapters in use, and the prefix cache's lookup and hit counters.
+//! Everything else on the page (often hundreds of histogram buckets) is
+//! skipped after reading the metric name, so the cost is one linear pass
+//! over a page whose size the caller has already capped, and memory use is
+//! a few small values plus the LoRA names.
 //!
 //! Three parts:
 //! - `text`: a tolerant reader of the text exposition format as servers
