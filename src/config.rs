@@ -93,6 +93,10 @@ pub struct Config {
     /// Move prefixes off replicas whose own prefix-cache hit rate says
     /// they evict what they are credited with (`route::evicting`).
     pub hit_rate_feedback: bool,
+    /// With several gateways, move prefixes off replicas that carry more
+    /// than their share of the pool's scraped prompt traffic
+    /// (`route::hot`; opt-in).
+    pub traffic_balance: bool,
     /// Session affinity across gateway instances, when configured.
     pub affinity: Option<Affinity>,
     /// Test-only fault injection, compiled in only with the
@@ -142,6 +146,7 @@ impl Default for Config {
             shadow_baseline: Baseline::default(),
             gateways: 1,
             hit_rate_feedback: true,
+            traffic_balance: false,
             affinity: None,
             #[cfg(feature = "fault-injection")]
             debug_trap_on_request: None,
@@ -666,6 +671,9 @@ mod tests {
         assert!(c.hit_rate_feedback);
         let off = br#"{"endpoints":["10.0.0.1:1"],"hit_rate_feedback":false}"#;
         assert!(!Config::parse(off).unwrap().hit_rate_feedback);
+        assert!(!c.traffic_balance);
+        let on = br#"{"endpoints":["10.0.0.1:1"],"traffic_balance":true}"#;
+        assert!(Config::parse(on).unwrap().traffic_balance);
         let c = Config::parse(br#"{"endpoints":["10.0.0.1:1"],"gateways":64}"#).unwrap();
         assert_eq!(c.gateways, 64);
         for bad in ["0", "65"] {

@@ -79,6 +79,13 @@ impl CacheRate {
         (self.queries >= HIT_RATE_MIN_QUERIES).then(|| (self.hits / self.queries).clamp(0.0, 1.0))
     }
 
+    /// The prompt tokens it looked up lately (decayed like the rate), once
+    /// it reports its counters: its share of the pool's prefill traffic,
+    /// the same from every gateway instance (`route::hot`).
+    pub fn traffic(&self) -> Option<f32> {
+        self.last.map(|_| self.queries)
+    }
+
     /// Take the counters of a scrape `elapsed_ms` after the last one. A
     /// counter that went down (the server restarted) starts a new baseline.
     fn observe(&mut self, now: Option<CacheCounters>, elapsed_ms: u64) {
@@ -114,6 +121,23 @@ impl CacheRate {
             hits: tokens(f64::from(r.f32()?)).min(queries),
         })
     }
+}
+
+/// The pool's mean prompt traffic (decayed tokens looked up) under which
+/// replicas' shares of it are noise: a few prompts are not a measurement.
+pub const MIN_MEAN_TRAFFIC: f32 = HIT_RATE_MIN_QUERIES;
+
+/// Each replica's prompt traffic ([`CacheRate::traffic`]) over the mean
+/// of them all: 1 is its even share. `None` unless every one reports it
+/// and the mean is [`MIN_MEAN_TRAFFIC`] or more (a replica that doesn't
+/// report would make the others look busy or idle by omission).
+pub fn traffic_shares(traffic: &[Option<f32>]) -> Option<Vec<f32>> {
+    let known: Vec<f32> = traffic.iter().copied().collect::<Option<_>>()?;
+    if known.len() < 2 {
+        return None;
+    }
+    let mean = known.iter().sum::<f32>() / known.len() as f32;
+    (mean >= MIN_MEAN_TRAFFIC && mean.is_finite()).then(|| known.iter().map(|t| t / mean).collect())
 }
 
 /// A count as a row keeps it: finite, 0..=MAX_COUNT (NaN reads as 0).

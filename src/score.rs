@@ -35,6 +35,9 @@ pub struct Candidate {
     /// Its prefix cache's measured hit rate, when it reports one (see
     /// `route::evicting`).
     pub hit_rate: Option<f32>,
+    /// The prompt tokens it looked up lately, from every gateway instance
+    /// (see `route::hot`).
+    pub traffic: Option<f32>,
     /// It evicts more than the index credits it with, and this request's
     /// prefix is one of those that leave it (`route::evicting`): its
     /// credit is withheld, and placing the prefix there again costs a
@@ -413,7 +416,13 @@ fn two_choices(by_hash: &[usize], pressure: &[f64], keeps: &[bool], margin: f64)
 /// the first.
 pub fn agreed_homes(cands: &[Candidate], key: u64, p: &ScoreParams) -> Vec<usize> {
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
-    let keeps = within_bound(cands, &loads, p);
+    // As for new content (`rank_below`): a replica that takes no new
+    // prefixes (`evicting`) is no one's second choice.
+    let keeps: Vec<bool> = within_bound(cands, &loads, p)
+        .into_iter()
+        .zip(cands)
+        .map(|(k, c)| k && !c.evicting)
+        .collect();
     let by_hash = rendezvous_order(cands, key);
     let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, band(p));
     let mut homes: Vec<usize> = by_hash.into_iter().take(2).collect();
@@ -506,6 +515,7 @@ mod tests {
             lora: LoraFit::NotApplicable,
             affinity: false,
             hit_rate: None,
+            traffic: None,
             evicting: false,
             trust: 1.0,
         }
@@ -646,6 +656,24 @@ mod tests {
         c[1].matched = 654;
         c[1].load.work = 0;
         assert_eq!(rank(&c, 660, 7, &params()).order[0], 1);
+    }
+
+    #[test]
+    fn a_replica_that_takes_no_new_content_is_not_the_only_agreed_home() {
+        // A session's later turn is judged by where new content would go
+        // now: with its first candidate taking none (it evicts what it is
+        // credited with), a session on the second is where every instance
+        // would have put it, and stays.
+        let mut p = params();
+        p.gateways = 3;
+        for key in 0..100u64 {
+            let mut c: Vec<Candidate> = (1..=4u64).map(|id| cand(id, 0, 0, 0)).collect();
+            let by_hash = rendezvous_order(&c, key);
+            assert_eq!(agreed_homes(&c, key, &p), vec![by_hash[0]]);
+            c[by_hash[0]].evicting = true;
+            assert_eq!(agreed_homes(&c, key, &p), vec![by_hash[0], by_hash[1]]);
+            assert_eq!(rank(&c, 100, key, &p).order[0], by_hash[1]);
+        }
     }
 
     #[test]

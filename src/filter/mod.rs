@@ -367,6 +367,7 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
     for (m, v) in [
         (s.credit_withheld, c.withheld),
         (s.replica_evicting, u32::from(c.evicting > 0)),
+        (s.replica_hot, u32::from(c.hot > 0)),
         (s.index_entries, rec.inserted),
         (s.index_evictions, rec.evicted),
         (s.index_cas_retries, rec.cas_retries),

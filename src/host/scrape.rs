@@ -32,6 +32,7 @@ struct ReplicaGauges {
     running: Metric,
     kv_percent: Metric,
     hit_percent: Metric,
+    traffic_share: Metric,
 }
 
 impl ReplicaGauges {
@@ -46,6 +47,7 @@ impl ReplicaGauges {
             running: m(MetricType::Gauge, "running"),
             kv_percent: m(MetricType::Gauge, "kv_usage_percent"),
             hit_percent: m(MetricType::Gauge, "cache_hit_percent"),
+            traffic_share: m(MetricType::Gauge, "traffic_share_percent"),
         }
     }
 }
@@ -338,9 +340,27 @@ impl Scraper {
         }
         let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
         self.table.retain(&known);
+        self.record_shares();
         match self.table.publish(&SharedData) {
             Ok(()) => self.dirty = false,
             Err(e) => log::debug!("prefix-router: replica table not written: {e}"),
+        }
+    }
+
+    /// Each replica's share of the pool's prompt traffic, in percent of
+    /// the mean: what `route::hot` compares with its line. Once a round,
+    /// since every share depends on every row.
+    fn record_shares(&self) {
+        let rows = self.table.rows();
+        let traffic: Vec<Option<f32>> = rows.iter().map(|r| r.cache.traffic()).collect();
+        let Some(shares) = replicas::traffic_shares(&traffic) else {
+            return;
+        };
+        for (row, share) in rows.iter().zip(shares) {
+            if let Some(g) = self.gauges.get(&row.id) {
+                g.traffic_share
+                    .record(&Envoy, (share * 100.0).round() as u64);
+            }
         }
     }
 

@@ -147,6 +147,7 @@ mod tests {
             lora: Default::default(),
             affinity: false,
             hit_rate,
+            traffic: None,
             evicting: false,
             trust: 1.0,
         }

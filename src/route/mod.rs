@@ -5,6 +5,7 @@
 
 mod evicting;
 mod hashed;
+mod hot;
 mod trunk;
 
 use std::collections::HashSet;
@@ -70,11 +71,15 @@ pub struct Choice {
     /// placement, on whichever replica keeps it.
     pub home: Option<ReplicaId>,
     /// Replicas whose credit for this prefix was withheld because they
-    /// evict more than they are credited with (`evicting`).
+    /// evict more than they are credited with (`evicting`) or carry more
+    /// than their share of the traffic (`hot`).
     pub withheld: u32,
     /// Eligible replicas judged to evict what they hold (`evicting`):
     /// their credit scaled down, no new prefixes for them.
     pub evicting: u32,
+    /// Eligible replicas over their share of the pool's traffic, with
+    /// several gateways and `traffic_balance` (`hot`).
+    pub hot: u32,
 }
 
 /// Why a decision went the way it did: built only on request
@@ -350,6 +355,7 @@ impl Router {
                     evicting: false,
                     trust: 1.0,
                     hit_rate: row.and_then(|r| r.cache.hit_rate()),
+                    traffic: row.and_then(|r| r.cache.traffic()),
                 }
             })
             .collect();
@@ -357,6 +363,11 @@ impl Router {
             evicting::withhold(&mut cands, hashed) as u32
         } else {
             0
+        };
+        let shed = if self.config.traffic_balance && self.params.agree() {
+            hot::shed(&mut cands, hashed)
+        } else {
+            hot::Shed::default()
         };
         let evicting = cands.iter().filter(|c| c.trust < 1.0).count() as u32;
         let blocks = hashed.blocks();
@@ -428,8 +439,9 @@ impl Router {
             work: self.params.work_of(blocks, held.blocks),
             matches,
             home,
-            withheld,
+            withheld: withheld + shed.withheld,
             evicting,
+            hot: shed.hot,
         })
     }
 

@@ -690,3 +690,80 @@ fn explain_names_the_pick() {
     assert!(text.starts_with(&format!("replica={}", r.endpoint(c.order[0]).unwrap())));
     assert!(text.contains("reason=new_prefix"));
 }
+
+/// Forty groups placed by one of three gateway instances (`extra` adds to
+/// its config), then three more questions each, after scrapes that say
+/// the replica holding the most groups looks up twice what each other one
+/// does. Returns that replica's groups, and each (group, replica) a
+/// question went to other than its first one's.
+fn after_a_hot_replica(extra: &str) -> (Vec<usize>, Vec<(usize, usize)>) {
+    use crate::metrics::{CacheCounters, ReplicaMetrics};
+    use crate::replicas::record_scrape;
+    let r = router(&format!(r#","cluster":"pool","gateways":3{extra}"#));
+    let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
+    let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
+    // Every replica reports; its counters' increments are its traffic.
+    let scrape = |looked_up: &dyn Fn(usize) -> f64| {
+        for (i, &id) in ids.iter().enumerate() {
+            let m = ReplicaMetrics {
+                cache: Some(CacheCounters {
+                    queries: looked_up(i),
+                    hits: looked_up(i) * 0.9,
+                }),
+                ..ReplicaMetrics::default()
+            };
+            record_scrape(&s, id, Ok(&m), &ids, 1000).unwrap();
+        }
+    };
+    scrape(&|_| 0.0);
+    let homes: Vec<usize> = (0..40)
+        .map(|g| run(&r, &s, &mut board, &doc(g, 0)).order[0])
+        .collect();
+    let count = |i: usize| homes.iter().filter(|&&h| h == i).count();
+    let hot = (0..4).max_by_key(|&i| count(i)).unwrap();
+    let on_hot: Vec<usize> = (0..40).filter(|&g| homes[g] == hot).collect();
+    // Even traffic: every group stays.
+    scrape(&|_| 200_000.0);
+    for (g, &home) in homes.iter().enumerate() {
+        let c = run(&r, &s, &mut board, &doc(g, 1));
+        assert_eq!((c.order[0], c.hot, c.withheld), (home, 0, 0), "group {g}");
+    }
+    // 800k tokens looked up lately against 400k on each other replica: a
+    // share of 1.6 (the mean is 500k), so about 1 - 1.1 / 1.6 = 31% of its
+    // groups leave it.
+    scrape(&|i| if i == hot { 800_000.0 } else { 400_000.0 });
+    let mut moved: Vec<(usize, usize)> = Vec::new();
+    for q in 2..5 {
+        for (g, &home) in homes.iter().enumerate() {
+            let c = run(&r, &s, &mut board, &doc(g, q));
+            if home != hot {
+                assert_eq!(c.order[0], home, "group {g}, question {q}");
+            } else if c.order[0] != hot {
+                moved.push((g, c.order[0]));
+            }
+        }
+    }
+    (on_hot, moved)
+}
+
+#[test]
+fn with_several_gateways_a_replica_over_its_traffic_share_sheds_some_groups() {
+    let (on_hot, moved) = after_a_hot_replica(r#","traffic_balance":true"#);
+    assert!(on_hot.len() >= 8, "{on_hot:?}");
+    // Some of its groups left, not all, and each went to one replica and
+    // stayed there for every later question (the same hash on every
+    // request, and on every instance).
+    let left: HashSet<usize> = moved.iter().map(|&(g, _)| g).collect();
+    assert!(
+        !left.is_empty() && left.len() < on_hot.len(),
+        "{left:?} of {on_hot:?}"
+    );
+    for &g in &left {
+        let to: Vec<usize> = moved.iter().filter(|m| m.0 == g).map(|m| m.1).collect();
+        assert_eq!(to.len(), 3, "group {g} came back: {to:?}");
+        assert!(to.iter().all(|&t| t == to[0]), "group {g}: {to:?}");
+    }
+    // Off (the default), none moves.
+    let (_, moved) = after_a_hot_replica("");
+    assert_eq!(moved, vec![]);
+}

@@ -88,18 +88,31 @@ def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
             assert envoy.stat(f"{stat_label(bs[0].addr)}.waiting") == 40
 
 
+def group_doc(g):
+    """About 13 KB of one group's document (210 blocks)."""
+    return f"Document {g}. " + f"Facts of group {g}, with figures. " * 400
+
+
+def ask_groups(envoy, rounds):
+    """`rounds` more questions to each of 40 groups: where each went."""
+    seen = {g: [] for g in range(40)}
+    for rnd in range(rounds):
+        for g in range(40):
+            status, headers, _ = request(envoy.port, body=completion(group_doc(g) + f" Q{rnd + 1}?"))
+            assert status == 200
+            seen[g].append(headers["x-served-by"])
+    return seen
+
+
 def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
     """A replica whose own prefix-cache counters say it misses most of what
     it is sent (a smaller KV cache than its share) keeps only part of its
     groups: the others move, once, to replicas that keep them."""
-    def doc(g):
-        return f"Document {g}. " + f"Facts of group {g}, with figures. " * 400
-
     with backends(4, metrics=vllm_metrics(cache=(0, 0))) as bs:
         with start([b.addr for b in bs], debug_header=True) as envoy:  # hit_rate_feedback is on by default
             home = {}
             for g in range(40):
-                status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q0?"))
+                status, headers, _ = request(envoy.port, body=completion(group_doc(g) + " Q0?"))
                 assert status == 200
                 home[g] = headers["x-served-by"]
             small = str(bs[0].port)
@@ -110,7 +123,7 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             # that, once 1,024 blocks of hits were expected).
             for q in ("Qa", "Qb"):
                 for g in range(40):
-                    _, headers, _ = request(envoy.port, body=completion(doc(g) + f" {q}?"))
+                    _, headers, _ = request(envoy.port, body=completion(group_doc(g) + f" {q}?"))
                     assert headers["x-served-by"] == home[g]
             # The index credited each replica with about two thirds of what
             # it sent it (one cold round, two warm ones).
@@ -128,12 +141,7 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             assert wait_until(lambda: envoy.stat(f"{label}.cache_hit_percent") == 30)
             assert envoy.stat(f"{stat_label(bs[1].addr)}.cache_hit_percent") == 95
             rounds = 4
-            seen = {g: [] for g in range(40)}
-            for rnd in range(rounds):
-                for g in range(40):
-                    status, headers, _ = request(envoy.port, body=completion(doc(g) + f" Q{rnd + 1}?"))
-                    assert status == 200
-                    seen[g].append(headers["x-served-by"])
+            seen = ask_groups(envoy, rounds)
             # The other replicas' groups stay where they were.
             assert all(seen[g] == [home[g]] * rounds for g in home if home[g] != small), seen
             # Its groups move at most once, away from it, and stay where they
@@ -150,6 +158,51 @@ def test_a_replica_that_evicts_its_prefixes_loses_some_of_them_for_good():
             assert envoy.stat("prefix_router.decision.credit_withheld") >= len(moved)
             # Every request after the counters changed saw it evicting.
             assert envoy.stat("prefix_router.decision.replica_evicting") == rounds * 40
+
+
+def test_with_several_gateways_a_replica_over_its_traffic_share_sheds_some_groups():
+    """One of three gateway instances: when the replicas' own lookup
+    counters say one of them carries twice the traffic of each other one
+    (rendezvous gave it more than its share of groups), part of its
+    groups move, once, and the rest of the pool's stay."""
+    with backends(4, metrics=vllm_metrics(cache=(0, 0))) as bs:
+        with start([b.addr for b in bs], debug_header=True, gateways=3, traffic_balance=True) as envoy:
+            home = {}
+            for g in range(40):
+                status, headers, _ = request(envoy.port, body=completion(group_doc(g) + " Q0?"))
+                assert status == 200
+                home[g] = headers["x-served-by"]
+            count = Counter(home.values())
+            hot_port, _ = count.most_common(1)[0]
+            hot = next(b for b in bs if str(b.port) == hot_port)
+            mine = [g for g in home if home[g] == hot_port]
+            assert len(mine) >= 8, count
+            # Counters that grow: the hot replica looks up twice the tokens
+            # each other one does (a share of 1.6 of the mean), all hitting
+            # 95% (nobody evicts).
+            for step in range(1, 11):
+                for b in bs:
+                    q = 200_000.0 * step * (2 if b is hot else 1)
+                    b.metrics = vllm_metrics(cache=(q, q * 0.95))
+                time.sleep(INTERVAL_MS / 1000)
+            share = f"{stat_label(hot.addr)}.traffic_share_percent"
+            # (Each replica's sum decays from its own scrape times: a few
+            # tenths of a percent apart.)
+            assert wait_until(lambda: 158 <= envoy.stat(share) <= 162), envoy.stat(share)
+            other = next(b for b in bs if b is not hot)
+            assert 79 <= envoy.stat(f"{stat_label(other.addr)}.traffic_share_percent") <= 81
+            rounds = 3
+            seen = ask_groups(envoy, rounds)
+            # The other replicas' groups stay; none moves to the hot one.
+            assert all(seen[g] == [home[g]] * rounds for g in home if home[g] != hot_port), seen
+            # About 1 - 1.1 / 1.6 = 31% of its groups leave it, in the first
+            # round after the counters changed, and stay where they went.
+            moved = [g for g in mine if seen[g][0] != hot_port]
+            assert 1 <= len(moved) < len(mine), (moved, mine)
+            assert all(seen[g] == [seen[g][0]] * rounds for g in mine), {g: seen[g] for g in mine}
+            assert envoy.stat("prefix_router.decision.credit_withheld") == rounds * len(moved)
+            assert envoy.stat("prefix_router.decision.replica_hot") == rounds * 40
+            assert envoy.stat("prefix_router.decision.replica_evicting") == 0
 
 
 def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
