@@ -48,7 +48,8 @@ use super::Hashed;
 /// the mean of 1.9), and three groups on one replica is 1.6.
 pub(super) const HOT_ABOVE: f32 = 1.1;
 
-/// Held prefixes longer than this (16 KiB, about 4,000 tokens) stay.
+/// Held prefixes longer than this (16 KiB with the default 64-byte blocks,
+/// about 4,000 tokens) stay.
 pub(super) const MAX_SHED_BLOCKS: u32 = 256;
 
 /// Salt, so the prefixes that move are not those that the eviction rule
