@@ -300,14 +300,8 @@ pub fn rank_below(
         let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
         let margin = band.max(p.weights.prefix * new_blocks);
         let by_hash = rendezvous_order(cands, placement);
-        // Every instance reads the same hit rates: none keeps new content
-        // on a replica that evicts it.
-        let keeps: Vec<bool> = keeps
-            .iter()
-            .zip(cands)
-            .map(|(&k, c)| k && !c.evicting)
-            .collect();
-        let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, margin);
+        let open = open_to_new(cands, &keeps);
+        let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &open, margin);
         if let Some(pick) = pick.or_else(|| order.first().copied()) {
             order.retain(|&i| i != pick);
             order.insert(0, pick);
@@ -416,20 +410,26 @@ fn two_choices(by_hash: &[usize], pressure: &[f64], keeps: &[bool], margin: f64)
 /// the first.
 pub fn agreed_homes(cands: &[Candidate], key: u64, p: &ScoreParams) -> Vec<usize> {
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
-    // As for new content (`rank_below`): a replica that takes no new
-    // prefixes (`evicting`) is no one's second choice.
-    let keeps: Vec<bool> = within_bound(cands, &loads, p)
-        .into_iter()
-        .zip(cands)
-        .map(|(k, c)| k && !c.evicting)
-        .collect();
+    // As for new content (`rank_below`).
+    let open = open_to_new(cands, &within_bound(cands, &loads, p));
     let by_hash = rendezvous_order(cands, key);
-    let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &keeps, band(p));
+    let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &open, band(p));
     let mut homes: Vec<usize> = by_hash.into_iter().take(2).collect();
     if pick.is_some() && pick == homes.first().copied() {
         homes.truncate(1);
     }
     homes
+}
+
+/// The replicas new content may go to: within the load bound (`keeps`),
+/// and not evicting what they hold (every instance reads the same hit
+/// rates, so none puts new content where it would be evicted).
+fn open_to_new(cands: &[Candidate], keeps: &[bool]) -> Vec<bool> {
+    keeps
+        .iter()
+        .zip(cands)
+        .map(|(&k, c)| k && !c.evicting)
+        .collect()
 }
 
 /// Only what differs between replicas for any new content: load, queue,

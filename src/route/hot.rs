@@ -182,26 +182,16 @@ mod tests {
     fn a_moved_prefix_loses_its_credit_and_new_content_is_placed_as_ever() {
         let k = moved(3.0, 0..100)[0];
         let mut c = pool(3.0, 8);
-        assert_eq!(
-            shed(&mut c, &hashed(k)),
-            Shed {
-                hot: 1,
-                withheld: 1
-            }
-        );
+        let got = shed(&mut c, &hashed(k));
+        assert_eq!((got.hot, got.withheld), (1, 1));
         assert_eq!(c[0].matched, 0);
         // Not placed back there (see `score::two_choices`).
         assert!(c[0].evicting);
         assert!(c[1..].iter().all(|c| !c.evicting && c.matched == 0));
         // Content nobody holds goes where it would have.
         let mut c = pool(3.0, 0);
-        assert_eq!(
-            shed(&mut c, &hashed(k)),
-            Shed {
-                hot: 1,
-                withheld: 0
-            }
-        );
+        let got = shed(&mut c, &hashed(k));
+        assert_eq!((got.hot, got.withheld), (1, 0));
         assert!(c.iter().all(|c| !c.evicting));
     }
 
