@@ -94,6 +94,46 @@ pub struct Diagnostics {
     pub requests: Vec<InFlight>,
 }
 
+impl Diagnostics {
+    fn of(eligible: &[usize], cands: &[Candidate], ranked: &score::Ranked) -> Diagnostics {
+        Diagnostics {
+            requests: eligible
+                .iter()
+                .zip(cands)
+                .map(|(&endpoint, c)| InFlight {
+                    endpoint,
+                    requests: c.load.requests,
+                })
+                .collect(),
+            costs: ranked
+                .order
+                .iter()
+                .map(|&i| Cost {
+                    endpoint: eligible[i],
+                    cost: ranked.costs[i],
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What `Router::correct` changed, for the stats (see `Choice`).
+struct Corrected {
+    withheld: u32,
+    evicting: u32,
+    hot: u32,
+}
+
+/// The depth a request is priced and keyed at (`Router::depth`).
+struct Depth {
+    /// Blocks above the request's own part.
+    trunk: u32,
+    /// The placement hash new content is placed by.
+    key: u64,
+    /// The replica a session placed anew came from (`Choice::home`).
+    home: Option<ReplicaId>,
+}
+
 /// One replica's cost for a request, in blocks of work (see `score`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cost {
@@ -281,6 +321,10 @@ impl Router {
         Ok((choice, diagnostics))
     }
 
+    /// The decision in its steps: who may take the request (or why none
+    /// may), what each candidate holds and carries, the corrections for
+    /// replicas that evict or run hot, the depth the request is priced and
+    /// keyed at, and the ranking (`score`), where the pick is made.
     fn decide_into<S: Store + ?Sized>(
         &self,
         store: &S,
@@ -296,9 +340,54 @@ impl Router {
         } else {
             Table::default()
         };
+        let eligible = self.eligible_now(&table, now_ms)?;
+        let rows: Vec<Option<&Row>> = eligible
+            .iter()
+            .map(|&i| table.row(self.endpoints[i].id()))
+            .collect();
+        if meta.sheddable && self.saturated(&rows) {
+            return Err(self.saturated_reject(eligible.len()));
+        }
+        let matches = if hashed.is_empty() {
+            Matches::default()
+        } else {
+            self.index.lookup(store, &hashed.checkpoints)
+        };
+        let mut cands = self.candidates(store, &eligible, &rows, &matches, meta, now_ms);
+        let corrected = self.correct(&mut cands, hashed);
+        let depth = self.depth(store, hashed, &matches, &mut cands);
+        let blocks = hashed.blocks();
+        let ranked = score::rank_below(&cands, blocks, depth.trunk, depth.key, &self.params);
+        let held = ranked
+            .order
+            .first()
+            .and_then(|&i| matches.blocks.get(&cands[i].id))
+            .copied()
+            .unwrap_or_default();
+        if let Some(d) = diagnostics {
+            *d = Diagnostics::of(&eligible, &cands, &ranked);
+        }
+        Ok(Choice {
+            order: ranked.order.iter().map(|&i| eligible[i]).collect(),
+            reason: ranked.reason,
+            blocks,
+            matched: held.blocks,
+            stamped: held.stamped,
+            work: self.params.work_of(blocks, held.blocks),
+            matches,
+            home: depth.home,
+            withheld: corrected.withheld,
+            evicting: corrected.evicting,
+            hot: corrected.hot,
+        })
+    }
+
+    /// The replicas that may take a request now (endpoint indices), or the
+    /// 503 that says none may.
+    fn eligible_now(&self, table: &Table, now_ms: u64) -> Result<Vec<usize>, Reject> {
         let health = self.health();
         let eligible: Vec<usize> = (0..self.endpoints.len())
-            .filter(|&i| self.eligible(i, &table, &health, now_ms))
+            .filter(|&i| self.eligible(i, table, &health, now_ms))
             .collect();
         if eligible.is_empty() {
             return Err(Reject {
@@ -310,27 +399,32 @@ impl Router {
                 ),
             });
         }
-        let rows: Vec<Option<&Row>> = eligible
-            .iter()
-            .map(|&i| table.row(self.endpoints[i].id()))
-            .collect();
-        if meta.sheddable && self.saturated(&rows) {
-            return Err(Reject {
-                status: 429,
-                kind: "saturated",
-                message: format!(
-                    "all {} eligible replicas are saturated (queue > {} or KV cache > {:.0}%); retry later",
-                    eligible.len(),
-                    self.config.queue_threshold,
-                    self.config.kv_threshold * 100.0
-                ),
-            });
+        Ok(eligible)
+    }
+
+    fn saturated_reject(&self, eligible: usize) -> Reject {
+        Reject {
+            status: 429,
+            kind: "saturated",
+            message: format!(
+                "all {eligible} eligible replicas are saturated (queue > {} or KV cache > {:.0}%); retry later",
+                self.config.queue_threshold,
+                self.config.kv_threshold * 100.0
+            ),
         }
-        let matches = if hashed.is_empty() {
-            Matches::default()
-        } else {
-            self.index.lookup(store, &hashed.checkpoints)
-        };
+    }
+
+    /// Each eligible replica as the ranking sees it: what it holds of this
+    /// request, its in-flight work through this instance, its scraped row.
+    fn candidates<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        eligible: &[usize],
+        rows: &[Option<&Row>],
+        matches: &Matches,
+        meta: Meta,
+        now_ms: u64,
+    ) -> Vec<Candidate> {
         // The slot count is read every time (one host call): caching it
         // hid a just-started worker's slot, and its placements, from the
         // others for a tick.
@@ -338,9 +432,9 @@ impl Router {
         let adapter = meta
             .model
             .filter(|m| rows.iter().flatten().any(|r| lists(r, m)));
-        let mut cands: Vec<Candidate> = eligible
+        eligible
             .iter()
-            .zip(&rows)
+            .zip(rows)
             .map(|(&i, row)| {
                 let id = self.endpoints[i].id();
                 Candidate {
@@ -358,21 +452,43 @@ impl Router {
                     traffic: row.and_then(|r| r.cache.traffic()),
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// Credit the index gives that the replicas' own counters say they
+    /// don't keep (`evicting`) or shouldn't take (`hot`).
+    fn correct(&self, cands: &mut [Candidate], hashed: &Hashed) -> Corrected {
         let withheld = if self.config.hit_rate_feedback {
-            evicting::withhold(&mut cands, hashed) as u32
+            evicting::withhold(cands, hashed) as u32
         } else {
             0
         };
         let shed = if self.config.traffic_balance && self.params.agree() {
-            hot::shed(&mut cands, hashed)
+            hot::shed(cands, hashed)
         } else {
             hot::Shed::default()
         };
-        let evicting = cands.iter().filter(|c| c.trust < 1.0).count() as u32;
+        Corrected {
+            withheld: withheld + shed.withheld,
+            evicting: cands.iter().filter(|c| c.trust < 1.0).count() as u32,
+            hot: shed.hot,
+        }
+    }
+
+    /// Where the request's own part starts (`trunk`: what lies past it is
+    /// new content, placed like a new prefix) and the checkpoint its
+    /// placement is keyed by.
+    fn depth<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        hashed: &Hashed,
+        matches: &Matches,
+        cands: &mut [Candidate],
+    ) -> Depth {
         let blocks = hashed.blocks();
-        let agreed = if self.params.agree() {
-            agreed_below_lead(&self.index, store, hashed, &mut cands, &self.params)
+        let agree = self.params.agree();
+        let agreed = if agree {
+            agreed_below_lead(&self.index, store, hashed, cands, &self.params)
         } else {
             None
         };
@@ -382,67 +498,28 @@ impl Router {
             trunk_above(
                 matches.branch,
                 hashed,
-                &cands,
+                cands,
                 self.params.trunk_min_new_blocks,
             )
         });
         // With instances that must agree, a lead may be just what this one
         // saw of a longer session: the index decides as for any prefix.
-        let lead = (!self.params.agree())
-            .then(|| thin_lead(&cands, blocks, self.params.trunk_min_new_blocks))
+        let lead = (!agree)
+            .then(|| thin_lead(cands, blocks, self.params.trunk_min_new_blocks))
             .flatten();
         // The home's count of recent sessions includes this one.
         let home = lead.and_then(|l| cands.get_mut(l.home)).map(|c| {
             c.load.branches = c.load.branches.saturating_sub(1);
             c.id
         });
-        let trunk = lead.map_or(forked, |l| forked.max(l.top));
         // A new session is keyed where every replica's holding ends, as an
         // instance that never saw its lead keys it.
-        let floor = if self.params.agree() {
-            hashed.lead_floor()
-        } else {
-            0
-        };
-        let key = hashed.placement(lead.map_or(held, |l| l.shared).max(floor));
-        let ranked = score::rank_below(&cands, blocks, trunk, key, &self.params);
-        let held = ranked
-            .order
-            .first()
-            .and_then(|&i| matches.blocks.get(&cands[i].id))
-            .copied()
-            .unwrap_or_default();
-        if let Some(d) = diagnostics {
-            d.requests = eligible
-                .iter()
-                .zip(&cands)
-                .map(|(&endpoint, c)| InFlight {
-                    endpoint,
-                    requests: c.load.requests,
-                })
-                .collect();
-            d.costs = ranked
-                .order
-                .iter()
-                .map(|&i| Cost {
-                    endpoint: eligible[i],
-                    cost: ranked.costs[i],
-                })
-                .collect();
-        }
-        Ok(Choice {
-            order: ranked.order.iter().map(|&i| eligible[i]).collect(),
-            reason: ranked.reason,
-            blocks,
-            matched: held.blocks,
-            stamped: held.stamped,
-            work: self.params.work_of(blocks, held.blocks),
-            matches,
+        let floor = if agree { hashed.lead_floor() } else { 0 };
+        Depth {
+            trunk: lead.map_or(forked, |l| forked.max(l.top)),
+            key: hashed.placement(lead.map_or(held, |l| l.shared).max(floor)),
             home,
-            withheld: withheld + shed.withheld,
-            evicting,
-            hot: shed.hot,
-        })
+        }
     }
 
     /// Shadow mode: route with the baseline instead, keeping our ranking for
