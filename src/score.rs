@@ -203,28 +203,82 @@ pub fn rank_below(
     // 83.9%). Unscaled they count as the sample they are; the scraped
     // queue and KV usage are what every instance sees alike.
     let loads: Vec<f64> = cands.iter().map(|c| p.load_of(&c.load)).collect();
-    let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
-    // New content (nobody holds more than the trunk) decides where its
-    // followers go from then on: a document's questions, a session's
-    // turns. For it, in-flight work within the load slack of the least
-    // loaded replica is no difference (one agent turn in flight says
-    // little about the replica's next minute), and near-ties go to the
-    // replica that took the fewest new prefixes or branches lately,
-    // whatever their size (with several gateways, plus the requests the
-    // other instances sent there: `others`), then to rendezvous. In the
-    // cost, the spread term is scaled by this request's new blocks: for an
-    // agent's task a few dozen, too little to tell a replica running two
-    // sessions from an idle one (agentic: 1-3 sessions per replica, share
-    // 1.5-1.7). A tie band as wide as the new content's prefill was tried:
-    // it sent first turns to busier replicas (multi-turn TTFT p95 +13%,
-    // long-preamble +15-25%).
     let fresh = blocks > 0 && cands.iter().all(|c| c.matched <= trunk.min(blocks));
-    let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
     let keeps = within_bound(cands, &loads, p);
-    let costs: Vec<f64> = cands
+    let costs = costs(cands, &loads, &keeps, (blocks, trunk), fresh, p);
+    let band = band(p);
+    let mut order = by_cost(cands, &costs, band, fresh, placement, p);
+    let reason = match reason(cands, &order, blocks) {
+        Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
+        r => r,
+    };
+    // With several gateways, new content goes where any instance would
+    // put it (`two_choices`), since a later request for it may reach
+    // another instance without a token. Clients that echo the affinity
+    // token (`clients_echo`) find their session by it, so new content is
+    // placed as with one gateway, counting the other instances' sessions
+    // through the scraped counts (`others`). Restricting that to the two
+    // rendezvous candidates was tried: multi-turn, 3 instances, share
+    // 1.45 against 1.09.
+    if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+        // Leaving the agreed replica costs another instance's copy of the
+        // new content: worth it only for a bigger load difference.
+        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+        let margin = band.max(p.weights.prefix * new_blocks);
+        let by_hash = rendezvous_order(cands, placement);
+        let open = open_to_new(cands, &keeps);
+        let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &open, margin);
+        if let Some(pick) = pick.or_else(|| order.first().copied()) {
+            to_front(&mut order, pick);
+        }
+    }
+    // A session's replica, named by a token another instance may have
+    // issued, wins while it is not over the load bound.
+    let mut reason = reason;
+    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
+        to_front(&mut order, a);
+        reason = Reason::Affinity;
+    }
+    Ranked {
+        order,
+        costs,
+        reason,
+    }
+}
+
+/// Each candidate's cost for a request of `blocks` below a `trunk` every
+/// replica is priced as holding, in blocks of work: the prefill it would
+/// do, the work in flight on it, its scraped queue, KV and LoRA pressure,
+/// and the spread of new content.
+///
+/// New content (nobody holds more than the trunk) decides where its
+/// followers go from then on: a document's questions, a session's
+/// turns. For it, in-flight work within the load slack of the least
+/// loaded replica is no difference (one agent turn in flight says
+/// little about the replica's next minute), and near-ties go to the
+/// replica that took the fewest new prefixes or branches lately,
+/// whatever their size (with several gateways, plus the requests the
+/// other instances sent there: `others`), then to rendezvous. In the
+/// cost, the spread term is scaled by this request's new blocks: for an
+/// agent's task a few dozen, too little to tell a replica running two
+/// sessions from an idle one (agentic: 1-3 sessions per replica, share
+/// 1.5-1.7). A tie band as wide as the new content's prefill was tried:
+/// it sent first turns to busier replicas (multi-turn TTFT p95 +13%,
+/// long-preamble +15-25%).
+fn costs(
+    cands: &[Candidate],
+    loads: &[f64],
+    keeps: &[bool],
+    (blocks, trunk): (u32, u32),
+    fresh: bool,
+    p: &ScoreParams,
+) -> Vec<f64> {
+    let placed_mean = cands.iter().map(|c| c.load.placed as f64).sum::<f64>() / cands.len() as f64;
+    let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    cands
         .iter()
-        .zip(&loads)
-        .zip(&keeps)
+        .zip(loads)
+        .zip(keeps)
         .map(|((c, &load), &keeps)| {
             let felt = if fresh {
                 (load - least - f64::from(p.bounded_load_slack)).max(0.0)
@@ -248,15 +302,26 @@ pub fn rank_below(
                     blocks.saturating_sub(credit),
                 )
         })
-        .collect();
+        .collect()
+}
+
+/// The candidates cheapest first. Near-ties (within one request's
+/// constant, `band`) go to rendezvous hashing on `placement`; for new
+/// content (`fresh`), first to the fewest recent sessions, then to the
+/// least recent new content. A wider band for new prefixes (so
+/// independent Envoy instances agree more often) was tried: it cost the
+/// even spread of groups over replicas and didn't measurably help two
+/// instances' hit rate.
+fn by_cost(
+    cands: &[Candidate],
+    costs: &[f64],
+    band: f64,
+    fresh: bool,
+    placement: u64,
+    p: &ScoreParams,
+) -> Vec<usize> {
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    // Near-ties (within one request's constant) go to rendezvous hashing.
-    // A wider band for new prefixes (so independent Envoy instances agree
-    // more often) was tried: it cost the even spread of groups over
-    // replicas and didn't measurably help two instances' hit rate.
-    let band = band(p);
-    // For new content, near-ties go to the fewest recent sessions, then
-    // the least recent new content: computed once, not per comparison.
+    // Computed once, not per comparison.
     let recent: Vec<(u32, u32)> = if fresh {
         cands
             .iter()
@@ -282,44 +347,12 @@ pub fn rank_below(
                 rendezvous(placement, cands[b].id).cmp(&rendezvous(placement, cands[a].id))
             })
     });
-    let reason = match reason(cands, &order, blocks) {
-        Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
-        r => r,
-    };
-    // With several gateways, new content goes where any instance would
-    // put it (`two_choices`), since a later request for it may reach
-    // another instance without a token. Clients that echo the affinity
-    // token (`clients_echo`) find their session by it, so new content is
-    // placed as with one gateway, counting the other instances' sessions
-    // through the scraped counts (`others`). Restricting that to the two
-    // rendezvous candidates was tried: multi-turn, 3 instances, share
-    // 1.45 against 1.09.
-    if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
-        // Leaving the agreed replica costs another instance's copy of the
-        // new content: worth it only for a bigger load difference.
-        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
-        let margin = band.max(p.weights.prefix * new_blocks);
-        let by_hash = rendezvous_order(cands, placement);
-        let open = open_to_new(cands, &keeps);
-        let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &open, margin);
-        if let Some(pick) = pick.or_else(|| order.first().copied()) {
-            order.retain(|&i| i != pick);
-            order.insert(0, pick);
-        }
-    }
-    // A session's replica, named by a token another instance may have
-    // issued, wins while it is not over the load bound.
-    let mut reason = reason;
-    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
-        order.retain(|&i| i != a);
-        order.insert(0, a);
-        reason = Reason::Affinity;
-    }
-    Ranked {
-        order,
-        costs,
-        reason,
-    }
+    order
+}
+
+fn to_front(order: &mut Vec<usize>, i: usize) {
+    order.retain(|&j| j != i);
+    order.insert(0, i);
 }
 
 /// One request's constant in cost units: costs closer than this are ties.
