@@ -229,84 +229,15 @@ impl PrefixIndex {
             cps,
             cache: HashMap::new(),
         };
-        // Deepest checkpoint held by anyone: [0, lo) held, [hi, m) not.
-        let (mut lo, mut hi) = (0usize, cps.len());
-        // Fast paths: unique prompts miss on the first checkpoint, long
-        // shared prefixes usually match whole.
-        if hi > 0 && p.get(0).is_none() {
-            hi = 0;
-        } else if hi > 1 && p.get(hi - 1).is_some() {
-            lo = hi;
-        } else if hi > 0 {
-            lo = 1;
-            hi -= 1;
-        }
-        while lo < hi {
-            let mid = (lo + hi).div_ceil(2);
-            if p.get(mid - 1).is_some() {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        let mut m = Matches::default();
-        if lo > 0 && lo < cps.len() {
-            if let (Some(e), Some(cp)) = (p.get(lo - 1), cps.get(lo - 1)) {
-                m.branch = Some(Branch {
-                    at: lo - 1,
-                    held: cp.blocks,
-                    forked: e.forked,
-                    child: e.child,
-                });
-            }
-        }
-        let seen: Vec<ReplicaId> = {
-            let mut v: Vec<ReplicaId> = p
-                .cache
-                .values()
-                .flatten()
-                .flat_map(|e| e.holders.iter().map(|h| h.id))
-                .collect();
-            v.sort_unstable();
-            v.dedup();
-            v
+        let deepest = p.deepest();
+        let mut m = Matches {
+            branch: p.branch(deepest),
+            ..Matches::default()
         };
-        for id in seen {
-            let has = |e: &Option<Entry>| {
-                e.as_ref()
-                    .is_some_and(|e| e.holders.iter().any(|h| h.id == id))
-            };
-            let snapshot: Vec<(usize, bool)> = p.cache.iter().map(|(&j, e)| (j, has(e))).collect();
-            // Count of leading checkpoints this replica holds: in [rlo, rhi].
-            let mut rlo = snapshot
-                .iter()
-                .filter(|p| p.1)
-                .map(|p| p.0 + 1)
-                .max()
-                .unwrap_or(0);
-            let mut rhi = snapshot
-                .iter()
-                .filter(|p| !p.1 && p.0 >= rlo)
-                .map(|p| p.0)
-                .min()
-                .unwrap_or(cps.len());
-            while rlo < rhi {
-                let mid = (rlo + rhi).div_ceil(2);
-                if has(&p.get(mid - 1)) {
-                    rlo = mid;
-                } else {
-                    rhi = mid - 1;
-                }
+        for id in p.seen() {
+            if let Some(held) = p.held_by(id) {
+                m.blocks.insert(id, held);
             }
-            if rlo == 0 {
-                continue;
-            }
-            let stamped = p
-                .get(rlo - 1)
-                .and_then(|e| e.holders.iter().find(|h| h.id == id).map(|h| h.seen_s))
-                .unwrap_or(0);
-            let blocks = cps.get(rlo - 1).map_or(0, |c| c.blocks);
-            m.blocks.insert(id, Held { blocks, stamped });
         }
         m.probes = p.cache.len() as u32;
         m
@@ -423,6 +354,100 @@ impl<S: Store + ?Sized> Prober<'_, S> {
             .filter(|e| !e.holders.is_empty());
         self.cache.insert(j, e.clone());
         e
+    }
+
+    /// How many leading checkpoints anyone holds (a binary search: [0, lo)
+    /// held, [hi, len) not).
+    fn deepest(&mut self) -> usize {
+        let (mut lo, mut hi) = (0usize, self.cps.len());
+        // Fast paths: unique prompts miss on the first checkpoint, long
+        // shared prefixes usually match whole.
+        if hi > 0 && self.get(0).is_none() {
+            hi = 0;
+        } else if hi > 1 && self.get(hi - 1).is_some() {
+            lo = hi;
+        } else if hi > 0 {
+            lo = 1;
+            hi -= 1;
+        }
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if self.get(mid - 1).is_some() {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
+    /// Where the request leaves what is held, when it holds some of it
+    /// and brings more: the last checkpoint held (`deepest` of them).
+    fn branch(&mut self, deepest: usize) -> Option<Branch> {
+        if deepest == 0 || deepest >= self.cps.len() {
+            return None;
+        }
+        let e = self.get(deepest - 1)?;
+        let cp = self.cps.get(deepest - 1)?;
+        Some(Branch {
+            at: deepest - 1,
+            held: cp.blocks,
+            forked: e.forked,
+            child: e.child,
+        })
+    }
+
+    /// Every replica the probes so far named, once each.
+    fn seen(&self) -> Vec<ReplicaId> {
+        let mut v: Vec<ReplicaId> = self
+            .cache
+            .values()
+            .flatten()
+            .flat_map(|e| e.holders.iter().map(|h| h.id))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// How much of the request `id` holds: its own binary search between
+    /// the deepest probe that had it and the shallowest after that didn't.
+    fn held_by(&mut self, id: ReplicaId) -> Option<Held> {
+        let has = |e: &Option<Entry>| {
+            e.as_ref()
+                .is_some_and(|e| e.holders.iter().any(|h| h.id == id))
+        };
+        let snapshot: Vec<(usize, bool)> = self.cache.iter().map(|(&j, e)| (j, has(e))).collect();
+        // Count of leading checkpoints this replica holds: in [lo, hi].
+        let mut lo = snapshot
+            .iter()
+            .filter(|p| p.1)
+            .map(|p| p.0 + 1)
+            .max()
+            .unwrap_or(0);
+        let mut hi = snapshot
+            .iter()
+            .filter(|p| !p.1 && p.0 >= lo)
+            .map(|p| p.0)
+            .min()
+            .unwrap_or(self.cps.len());
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if has(&self.get(mid - 1)) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        if lo == 0 {
+            return None;
+        }
+        let stamped = self
+            .get(lo - 1)
+            .and_then(|e| e.holders.iter().find(|h| h.id == id).map(|h| h.seen_s))
+            .unwrap_or(0);
+        let blocks = self.cps.get(lo - 1).map_or(0, |c| c.blocks);
+        Some(Held { blocks, stamped })
     }
 }
 
