@@ -159,28 +159,20 @@ pub async fn send(
         }
     };
     out.status = resp.status().as_u16();
-    out.served_by = resp
-        .headers()
-        .get("x-served-by")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    if !affinity_header.is_empty() {
-        out.affinity = resp
-            .headers()
-            .get(affinity_header)
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
             .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+            .map(str::to_string)
+    };
+    out.served_by = header("x-served-by");
+    if !affinity_header.is_empty() {
+        out.affinity = header(affinity_header);
     }
-    out.decision = resp
-        .headers()
-        .get(DEBUG_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    out.decision = header(DEBUG_HEADER);
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
-    let mut buf: Vec<u8> = Vec::new();
-    let mut last: Option<Instant> = None;
-    let mut done = false;
+    let mut sse = Sse::new(t0);
     let mut err_body = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = match frame {
@@ -199,56 +191,84 @@ pub async fn send(
             }
             continue;
         }
-        let now = Instant::now();
-        buf.extend_from_slice(&data);
-        // Events end with a blank line.
-        while let Some(end) = find(&buf, b"\n\n") {
-            let event: Vec<u8> = buf.drain(..end + 2).collect();
-            for line in event.split(|&b| b == b'\n') {
-                let Some(payload) = line.strip_prefix(b"data:") else {
-                    continue;
-                };
-                let payload = payload.trim_ascii();
-                if payload == b"[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
-                    continue;
-                };
-                if let Some(u) = chunk.usage {
-                    out.prompt_tokens = Some(u.prompt_tokens);
-                    out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
-                }
-                let piece: String = chunk
-                    .choices
-                    .into_iter()
-                    .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
-                    .collect();
-                if piece.is_empty() {
-                    continue;
-                }
-                out.chunks += 1;
-                out.text.push_str(&piece);
-                match last {
-                    None => out.ttft_ms = Some(ms(now - t0)),
-                    Some(prev) => out.itl_ms.push(ms(now - prev)),
-                }
-                last = Some(now);
-            }
-        }
+        sse.feed(&data, Instant::now(), &mut out);
     }
     out.e2e_ms = Some(ms(t0.elapsed()));
     if !ok {
         let msg = String::from_utf8_lossy(&err_body);
         out.error = Some(format!("HTTP {}: {}", out.status, msg.trim()));
-    } else if out.error.is_none() && !done {
+    } else if out.error.is_none() && !sse.done {
         out.error = Some("stream ended without [DONE]".into());
     }
     if out.error.is_none() {
         pool.put(sender);
     }
     out
+}
+
+/// The server-sent events of a streamed completion as they arrive: text
+/// and usage into an `Outcome`, the first token's time as its TTFT and
+/// the gaps after it as inter-token latencies, all from `t0`.
+struct Sse {
+    t0: Instant,
+    buf: Vec<u8>,
+    last: Option<Instant>,
+    /// `data: [DONE]` was seen.
+    done: bool,
+}
+
+impl Sse {
+    fn new(t0: Instant) -> Self {
+        Sse {
+            t0,
+            buf: Vec::new(),
+            last: None,
+            done: false,
+        }
+    }
+
+    /// A piece of the body, received at `now`; events may span pieces.
+    fn feed(&mut self, data: &[u8], now: Instant, out: &mut Outcome) {
+        self.buf.extend_from_slice(data);
+        // Events end with a blank line.
+        while let Some(end) = find(&self.buf, b"\n\n") {
+            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
+            for line in event.split(|&b| b == b'\n') {
+                if let Some(payload) = line.strip_prefix(b"data:") {
+                    self.data(payload.trim_ascii(), now, out);
+                }
+            }
+        }
+    }
+
+    fn data(&mut self, payload: &[u8], now: Instant, out: &mut Outcome) {
+        if payload == b"[DONE]" {
+            self.done = true;
+            return;
+        }
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
+            return;
+        };
+        if let Some(u) = chunk.usage {
+            out.prompt_tokens = Some(u.prompt_tokens);
+            out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
+        }
+        let piece: String = chunk
+            .choices
+            .into_iter()
+            .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
+            .collect();
+        if piece.is_empty() {
+            return;
+        }
+        out.chunks += 1;
+        out.text.push_str(&piece);
+        match self.last {
+            None => out.ttft_ms = Some(ms(now - self.t0)),
+            Some(prev) => out.itl_ms.push(ms(now - prev)),
+        }
+        self.last = Some(now);
+    }
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -286,4 +306,70 @@ pub async fn post_json(pool: &Pool, path: &str, body: Bytes) -> Result<serde_jso
         ));
     }
     serde_json::from_slice(&bytes).map_err(|e| format!("bad JSON: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn events_split_across_pieces_give_text_ttft_gaps_and_usage() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n",
+            at(40),
+            &mut out,
+        );
+        assert_eq!(out.chunks, 0, "an event counts once its blank line is in");
+        sse.feed(
+            b"\n: keep-alive\n\ndata: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            at(50),
+            &mut out,
+        );
+        sse.feed(
+            b"data: {\"choices\":[{\"text\":\"lo\"}]}\n\ndata: {\"choices\":[],",
+            at(75),
+            &mut out,
+        );
+        sse.feed(
+            b"\"usage\":{\"prompt_tokens\":900,\"prompt_tokens_details\":{\"cached_tokens\":640}}}\n\ndata: [DONE]\n\n",
+            at(90),
+            &mut out,
+        );
+        assert_eq!(out.text, "Hello");
+        assert_eq!(
+            out.chunks, 2,
+            "the role-only delta and the usage carry no text"
+        );
+        assert_eq!(
+            out.ttft_ms,
+            Some(50.0),
+            "the first text's event completed at 50 ms"
+        );
+        assert_eq!(out.itl_ms, vec![25.0]);
+        assert_eq!(
+            (out.prompt_tokens, out.cached_tokens),
+            (Some(900), Some(640))
+        );
+        assert!(sse.done);
+    }
+
+    #[test]
+    fn a_stream_without_done_or_with_bad_json_is_not_done() {
+        let t0 = Instant::now();
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"data: {not json\n\ndata: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            t0,
+            &mut out,
+        );
+        assert_eq!(out.text, "a");
+        assert!(!sse.done);
+    }
 }
