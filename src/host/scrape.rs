@@ -12,6 +12,7 @@ use proxy_wasm::types::{BufferType, MapType, MetricType};
 use super::abi;
 use super::envoy::Envoy;
 use super::shared::SharedData;
+use crate::config::{Discovery, Scrape};
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::filter::stats::Metric;
@@ -125,14 +126,30 @@ impl Scraper {
             return;
         };
         self.next_ms = next;
-        // The lease outlives two missed renewals, so a new scraper takes
-        // over within three intervals of the old one stopping.
+        if !self.hold_lease(now_ms, interval) {
+            return;
+        }
+        self.publish(router);
+        if let Some(d) = &cfg.discovery {
+            self.discover(d, now_ms);
+        }
+        let Some(scrape) = &cfg.scrape else { return };
+        self.publish_eligible(router, now_ms);
+        for ep in router.endpoints() {
+            self.scrape(ep, scrape, &cfg.destination_header, now_ms);
+        }
+    }
+
+    /// Whether this VM is the one that scrapes (and writes the table)
+    /// this round. The lease outlives two missed renewals, so a new
+    /// scraper takes over within three intervals of the old one stopping.
+    fn hold_lease(&mut self, now_ms: u64, interval: u64) -> bool {
         match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
             Lease::Other => {
                 // Someone else writes the table now: ours goes stale.
                 self.table_loaded = false;
                 self.dirty = false;
-                return;
+                return false;
             }
             Lease::TookOver => {
                 self.takeovers.inc(&Envoy);
@@ -144,44 +161,47 @@ impl Scraper {
             self.table = Table::load(&SharedData);
             self.table_loaded = true;
         }
-        self.publish(router);
-        if let Some(d) = &cfg.discovery {
-            if now_ms >= self.next_discovery_ms
-                && !self.pending.values().any(|c| matches!(c, Call::Discovery))
-            {
-                self.next_discovery_ms = now_ms + d.interval_ms;
-                self.dispatch(
-                    &d.admin_cluster,
-                    &discovery::admin_path(&d.cluster),
-                    "admin",
-                    None,
-                    Call::Discovery,
-                    5000,
-                );
-            }
+        true
+    }
+
+    /// Ask Envoy's admin for the pool, when due and not already asked.
+    fn discover(&mut self, d: &Discovery, now_ms: u64) {
+        if now_ms < self.next_discovery_ms
+            || self.pending.values().any(|c| matches!(c, Call::Discovery))
+        {
+            return;
         }
-        let Some(scrape) = &cfg.scrape else { return };
-        self.publish_eligible(router, now_ms);
-        for ep in router.endpoints() {
-            if self.busy.contains(&ep.id()) {
-                // Still no answer a whole interval later: count it as a
-                // failure now (a page that stalls after its headers would
-                // otherwise keep the replica eligible until the timeout).
-                // A late good answer resets the count.
-                self.record(ep, Err(()), now_ms);
-                continue;
-            }
-            let dest = Some((cfg.destination_header.as_str(), ep.as_str()));
-            if !self.dispatch(
-                &scrape.cluster,
-                &scrape.path,
-                ep.as_str(),
-                dest,
-                Call::Metrics(ep.clone()),
-                scrape.timeout_ms,
-            ) {
-                self.record(ep, Err(()), now_ms);
-            }
+        self.next_discovery_ms = now_ms + d.interval_ms;
+        self.dispatch(
+            &d.admin_cluster,
+            &discovery::admin_path(&d.cluster),
+            "admin",
+            None,
+            Call::Discovery,
+            5000,
+        );
+    }
+
+    /// Ask one replica for its metrics page.
+    fn scrape(&mut self, ep: &Endpoint, scrape: &Scrape, destination_header: &str, now_ms: u64) {
+        if self.busy.contains(&ep.id()) {
+            // Still no answer a whole interval later: count it as a
+            // failure now (a page that stalls after its headers would
+            // otherwise keep the replica eligible until the timeout).
+            // A late good answer resets the count.
+            self.record(ep, Err(()), now_ms);
+            return;
+        }
+        let dest = Some((destination_header, ep.as_str()));
+        if !self.dispatch(
+            &scrape.cluster,
+            &scrape.path,
+            ep.as_str(),
+            dest,
+            Call::Metrics(ep.clone()),
+            scrape.timeout_ms,
+        ) {
+            self.record(ep, Err(()), now_ms);
         }
     }
 
@@ -243,61 +263,66 @@ impl Scraper {
             abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok_or(CalloutError::Unreadable)
         };
-        match call {
-            Call::Discovery => {
-                let Some(d) = &router.config.discovery else {
-                    return;
-                };
-                let found = read(MAX_ADMIN_BYTES)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| {
-                        discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string())
-                    });
-                match found {
-                    Ok(eps) => {
-                        self.discovered.record(&Envoy, eps.len() as u64);
-                        discovery::publish(&SharedData, &eps);
-                    }
-                    Err(why) => {
-                        self.discovery_failures.inc(&Envoy);
-                        log::warn!(
-                            "prefix-router: discovery from `{}` failed: {why}",
-                            d.admin_cluster
-                        );
-                    }
-                }
+        match (call, &router.config.discovery, &router.config.scrape) {
+            (Call::Discovery, Some(d), _) => self.on_discovery(d, read(MAX_ADMIN_BYTES)),
+            (Call::Metrics(ep), _, Some(scrape)) => {
+                let page = read(scrape.max_bytes);
+                self.on_metrics(router, &ep, scrape, page, now_ms);
             }
-            Call::Metrics(ep) => {
-                let Some(scrape) = &router.config.scrape else {
-                    return;
-                };
-                let parsed = read(scrape.max_bytes)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| {
-                        metrics::parse(scrape.engine, &b, scrape.max_bytes)
-                            .map_err(|e| e.to_string())
-                    });
-                match parsed {
-                    Ok(m) => self.record(&ep, Ok(&m), now_ms),
-                    Err(why) => {
-                        log::debug!("prefix-router: scrape of {ep} failed: {why}");
-                        self.record(&ep, Err(()), now_ms);
-                    }
-                }
-                if self.busy.is_empty() {
-                    // The round is in: publish now rather than a tick later,
-                    // unless another VM took the lease while our timer ran
-                    // late. These answers are then a round behind its
-                    // table, and could re-admit a replica it has seen fail.
-                    // (The tick publishes right after renewing the lease.)
-                    if replicas::holds_lease(&SharedData, self.owner) {
-                        self.publish(router);
-                    } else {
-                        self.table_loaded = false;
-                        self.dirty = false;
-                    }
-                }
+            // The config has no such calls (a VM's config is fixed).
+            _ => {}
+        }
+    }
+
+    fn on_discovery(&mut self, d: &Discovery, page: Result<Vec<u8>, CalloutError>) {
+        let found = page
+            .map_err(|e| e.to_string())
+            .and_then(|b| discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string()));
+        match found {
+            Ok(eps) => {
+                self.discovered.record(&Envoy, eps.len() as u64);
+                discovery::publish(&SharedData, &eps);
             }
+            Err(why) => {
+                self.discovery_failures.inc(&Envoy);
+                log::warn!(
+                    "prefix-router: discovery from `{}` failed: {why}",
+                    d.admin_cluster
+                );
+            }
+        }
+    }
+
+    fn on_metrics(
+        &mut self,
+        router: &Router,
+        ep: &Endpoint,
+        scrape: &Scrape,
+        page: Result<Vec<u8>, CalloutError>,
+        now_ms: u64,
+    ) {
+        let parsed = page.map_err(|e| e.to_string()).and_then(|b| {
+            metrics::parse(scrape.engine, &b, scrape.max_bytes).map_err(|e| e.to_string())
+        });
+        match parsed {
+            Ok(m) => self.record(ep, Ok(&m), now_ms),
+            Err(why) => {
+                log::debug!("prefix-router: scrape of {ep} failed: {why}");
+                self.record(ep, Err(()), now_ms);
+            }
+        }
+        if !self.busy.is_empty() {
+            return;
+        }
+        // The round is in: publish now rather than a tick later, unless
+        // another VM took the lease while our timer ran late. These answers
+        // are then a round behind its table, and could re-admit a replica it
+        // has seen fail. (The tick publishes right after renewing the lease.)
+        if replicas::holds_lease(&SharedData, self.owner) {
+            self.publish(router);
+        } else {
+            self.table_loaded = false;
+            self.dirty = false;
         }
     }
 
