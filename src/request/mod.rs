@@ -127,29 +127,35 @@ pub fn extract_into<S: Sink>(
     } else if let Some(p) = &b.prompt {
         render_prompt(&mut out, p);
     } else if b.input.is_some() || b.instructions.is_some() {
-        render_tools(&mut out, b.tools, None);
-        if let Some(i) = b.instructions {
-            out.message("instructions", Some(&Content::Text(i)), None);
-        }
-        match &b.input {
-            Some(InputField::Text(t)) => out.message("user", Some(&Content::Text(t)), None),
-            Some(InputField::Items(items)) => {
-                for it in items {
-                    let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
-                    out.message(role, it.content.as_ref(), None);
-                    for extra in [it.arguments, it.output].into_iter().flatten() {
-                        out.message(role, Some(&Content::Text(extra)), None);
-                    }
-                }
-            }
-            None => {}
-        }
+        render_responses(&mut out, &b);
     } else {
         return Err(ParseError::NoPrompt);
     }
     header.lead_bytes = out.lead.unwrap_or(0);
     header.own_messages = out.own;
     Ok((header, out.sink))
+}
+
+/// A Responses API body: tools, `instructions`, then `input` (a string,
+/// or items whose arguments and outputs render as their own messages).
+fn render_responses<S: Sink>(out: &mut Render<S>, b: &body::Body) {
+    render_tools(out, b.tools, None);
+    if let Some(i) = b.instructions {
+        out.message("instructions", Some(&Content::Text(i)), None);
+    }
+    match &b.input {
+        Some(InputField::Text(t)) => out.message("user", Some(&Content::Text(t)), None),
+        Some(InputField::Items(items)) => {
+            for it in items {
+                let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
+                out.message(role, it.content.as_ref(), None);
+                for extra in [it.arguments, it.output].into_iter().flatten() {
+                    out.message(role, Some(&Content::Text(extra)), None);
+                }
+            }
+        }
+        None => {}
+    }
 }
 
 fn render_prompt<S: Sink>(out: &mut Render<S>, p: &PromptField) {
