@@ -248,8 +248,11 @@ pub fn rank_below(
 
 /// Each candidate's cost for a request of `blocks` below a `trunk` every
 /// replica is priced as holding, in blocks of work: the prefill it would
-/// do, the work in flight on it, its scraped queue, KV and LoRA pressure,
-/// and the spread of new content.
+/// do (no credit for what it holds when it is over the load bound, a
+/// second prefill when it evicts this prefix), the work in flight on it,
+/// its scraped queue, KV and LoRA pressure, and the spread of new content.
+/// The tie-break for new content (`by_cost`) belongs to the same policy,
+/// described here.
 ///
 /// New content (nobody holds more than the trunk) decides where its
 /// followers go from then on: a document's questions, a session's

@@ -207,8 +207,9 @@ pub async fn send(
 }
 
 /// The server-sent events of a streamed completion as they arrive: text
-/// and usage into an `Outcome`, the first token's time as its TTFT and
-/// the gaps after it as inter-token latencies, all from `t0`.
+/// and usage into an `Outcome`; the arrival of the piece that completes
+/// the first event with text, from `t0`, as the TTFT, and the gaps
+/// between such events as inter-token latencies.
 struct Sse {
     t0: Instant,
     buf: Vec<u8>,

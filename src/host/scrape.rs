@@ -141,8 +141,10 @@ impl Scraper {
     }
 
     /// Whether this VM is the one that scrapes (and writes the table)
-    /// this round. The lease outlives two missed renewals, so a new
-    /// scraper takes over within three intervals of the old one stopping.
+    /// this round; a takeover is counted and logged, and the table read
+    /// from shared data when this VM's copy is stale. The lease outlives
+    /// two missed renewals, so a new scraper takes over within three
+    /// intervals of the old one stopping.
     fn hold_lease(&mut self, now_ms: u64, interval: u64) -> bool {
         match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
             Lease::Other => {

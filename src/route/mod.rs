@@ -476,8 +476,11 @@ impl Router {
     }
 
     /// Where the request's own part starts (`trunk`: what lies past it is
-    /// new content, placed like a new prefix) and the checkpoint its
-    /// placement is keyed by.
+    /// new content, placed like a new prefix), the checkpoint its
+    /// placement is keyed by, and a new session's first home. Adjusts
+    /// `cands` on the way: credit below the trunk that only agreed homes
+    /// keep (`agreed_below_lead`), and the home's count of recent sessions,
+    /// which includes this one.
     fn depth<S: Store + ?Sized>(
         &self,
         store: &S,
