@@ -208,7 +208,7 @@ pub fn rank_below(
     let costs = costs(cands, &loads, &keeps, (blocks, trunk), fresh, p);
     let band = band(p);
     let mut order = by_cost(cands, &costs, band, fresh, placement, p);
-    let reason = match reason(cands, &order, blocks) {
+    let mut reason = match reason(cands, &order, blocks) {
         Reason::LoadSpill | Reason::PrefixHit if trunk > 0 => Reason::NewBranch,
         r => r,
     };
@@ -234,7 +234,6 @@ pub fn rank_below(
     }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
-    let mut reason = reason;
     if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
         to_front(&mut order, a);
         reason = Reason::Affinity;
