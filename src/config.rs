@@ -334,6 +334,14 @@ impl Config {
         }
         header_name("destination_header", &self.destination_header)?;
         check_paths(&self.inference_paths)?;
+        self.validate_numbers()?;
+        header_name("priority_header", &self.priority_header)?;
+        self.validate_scrape()?;
+        self.validate_affinity()
+    }
+
+    /// Every number's range.
+    fn validate_numbers(&self) -> Result<(), ConfigError> {
         // A dead VM's load counts expire after 10 missed heartbeats: the
         // tick bounds how long they linger.
         #[rustfmt::skip]
@@ -372,36 +380,47 @@ impl Config {
         for (key, v, lo, hi) in reals {
             real(key, v, lo, hi)?;
         }
-        header_name("priority_header", &self.priority_header)?;
-        if let Some(s) = self.scrape_keys() {
-            let key = match self.metrics_cluster {
-                Some(_) => "metrics_cluster",
-                None => "cluster",
-            };
-            cluster_name(key, &s.cluster)?;
-            if !s.path.starts_with('/') {
-                let why = format!("`{}` must start with /", s.path);
-                return Err(invalid("metrics_path", why));
-            }
-            range("scrape_interval_ms", s.interval_ms, 10, 600_000)?;
-            range("scrape_timeout_ms", s.timeout_ms, 10, 600_000)?;
-            range("max_metrics_bytes", s.max_bytes as u64, 1024, 64 << 20)?;
+        Ok(())
+    }
+
+    /// The scrape keys, when a cluster to scrape is named.
+    fn validate_scrape(&self) -> Result<(), ConfigError> {
+        let Some(s) = self.scrape_keys() else {
+            return Ok(());
+        };
+        let key = match self.metrics_cluster {
+            Some(_) => "metrics_cluster",
+            None => "cluster",
+        };
+        cluster_name(key, &s.cluster)?;
+        if !s.path.starts_with('/') {
+            let why = format!("`{}` must start with /", s.path);
+            return Err(invalid("metrics_path", why));
         }
-        if let Some(a) = &self.affinity {
-            header_name("affinity.header", &a.header)?;
-            if a.header == self.destination_header {
-                let why = "must differ from `destination_header`";
-                return Err(invalid("affinity.header", why));
-            }
-            if a.key.len() < MIN_AFFINITY_KEY_BYTES {
-                let why = format!(
-                    "required: a secret of at least {MIN_AFFINITY_KEY_BYTES} bytes (got {})",
-                    a.key.len()
-                );
-                return Err(invalid("affinity.key", why));
-            }
-            range("affinity.max_age_s", a.max_age_s, 1, 604_800)?;
+        range("scrape_interval_ms", s.interval_ms, 10, 600_000)?;
+        range("scrape_timeout_ms", s.timeout_ms, 10, 600_000)?;
+        range("max_metrics_bytes", s.max_bytes as u64, 1024, 64 << 20)?;
+        Ok(())
+    }
+
+    /// The affinity keys, when session affinity is on.
+    fn validate_affinity(&self) -> Result<(), ConfigError> {
+        let Some(a) = &self.affinity else {
+            return Ok(());
+        };
+        header_name("affinity.header", &a.header)?;
+        if a.header == self.destination_header {
+            let why = "must differ from `destination_header`";
+            return Err(invalid("affinity.header", why));
         }
+        if a.key.len() < MIN_AFFINITY_KEY_BYTES {
+            let why = format!(
+                "required: a secret of at least {MIN_AFFINITY_KEY_BYTES} bytes (got {})",
+                a.key.len()
+            );
+            return Err(invalid("affinity.key", why));
+        }
+        range("affinity.max_age_s", a.max_age_s, 1, 604_800)?;
         Ok(())
     }
 

@@ -20,7 +20,7 @@ pub use proxy_wasm::types::Action;
 
 use crate::affinity;
 use crate::config::{Affinity, Config, Mode, DEFAULT_DESTINATION_HEADER};
-use crate::endpoint::ReplicaId;
+use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
 use crate::index::RecordStats;
 use crate::load::LoadBoard;
@@ -231,7 +231,6 @@ impl HttpFilter {
         };
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
-        let cfg = &w.router.config;
         let (hashed, model) = hash_body(h, w, body);
         let now = h.now_ms();
         let meta = Meta {
@@ -239,59 +238,24 @@ impl HttpFilter {
             sheddable: self.priority.as_deref().is_some_and(is_sheddable),
             affinity: self.affinity,
         };
-        // The diagnostics (every replica's cost and load) only when
-        // something reads them.
-        let decided = if cfg.debug_header || cfg.mode == Mode::Shadow {
-            w.router
-                .decide_explained(h.store(), &hashed, meta, now)
-                .map(|(c, d)| (c, Some(d)))
-        } else {
-            w.router
-                .decide(h.store(), &hashed, meta, now)
-                .map(|c| (c, None))
-        };
-        let (choice, why) = match decided {
+        let (choice, why) = match decide(h, w, &hashed, meta, now) {
             Ok(d) => d,
             Err(reject) => {
-                if reject.status == 429 {
-                    w.stats.shed_429.inc(h)
-                } else {
-                    w.stats.unavailable_503.inc(h)
-                }
-                reply(h, &reject);
+                refuse(h, &w.stats, &reject);
                 return false;
             }
         };
         w.seq += 1;
         #[cfg(feature = "fault-injection")]
-        if cfg.debug_trap_on_request == Some(w.seq) {
-            // Deliberate, and only in the test build: it exercises Envoy's
-            // failure_policy.
-            #[allow(clippy::panic)]
-            {
-                panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
-            }
-        }
+        trap_if_asked(w);
         if self.affinity.is_some() && choice.reason != Reason::Affinity {
             // A valid token whose replica is gone, ineligible or overloaded.
             w.stats.affinity_rejected.inc(h);
         }
         let choice = apply_mode(h, w, choice, why.as_ref());
-        let Some(&first) = choice.order.first() else {
+        let Some(ep) = write_destination(h, w, &choice) else {
             return true;
         };
-        let Some(ep) = w.router.endpoint(first).cloned() else {
-            return true;
-        };
-        let value = w.router.header_value(&choice);
-        if let Err(status) = h.replace_header(Map::Request, &cfg.destination_header, &value) {
-            log::warn!(
-                "prefix-router: could not set `{}`: status {status}",
-                cfg.destination_header
-            );
-            w.stats.header_write_errors.inc(h);
-            return true;
-        }
         let rec = w
             .router
             .commit(h.store(), &mut w.board, &choice, &hashed, now);
@@ -301,7 +265,7 @@ impl HttpFilter {
         });
         w.stats.ensure_replica(h, &ep).routed.inc(h);
         count(h, &w.stats, &choice, rec);
-        if let (true, Some(why)) = (cfg.debug_header, &why) {
+        if let (true, Some(why)) = (w.router.config.debug_header, &why) {
             self.debug = Some(w.router.explain(&choice, why));
         }
         true
@@ -336,8 +300,35 @@ impl HttpFilter {
     }
 }
 
-/// Answer a request the filter won't route: an OpenAI-style error body.
-fn reply<H: Host>(h: &H, r: &Reject) {
+/// The decision, with every replica's cost and load only when something
+/// reads them (the debug header, shadow mode).
+fn decide<H: Host>(
+    h: &H,
+    w: &Worker,
+    hashed: &Hashed,
+    meta: Meta,
+    now: u64,
+) -> Result<(Choice, Option<Diagnostics>), Reject> {
+    let cfg = &w.router.config;
+    if cfg.debug_header || cfg.mode == Mode::Shadow {
+        w.router
+            .decide_explained(h.store(), hashed, meta, now)
+            .map(|(c, d)| (c, Some(d)))
+    } else {
+        w.router
+            .decide(h.store(), hashed, meta, now)
+            .map(|c| (c, None))
+    }
+}
+
+/// Answer a request the filter won't route (counted): an OpenAI-style
+/// error body.
+fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject) {
+    if r.status == 429 {
+        s.shed_429.inc(h)
+    } else {
+        s.unavailable_503.inc(h)
+    }
     let body = serde_json::json!({
         "error": {"message": r.message, "type": r.kind, "code": r.status}
     })
@@ -351,6 +342,34 @@ fn reply<H: Host>(h: &H, r: &Reject) {
             "prefix-router: could not send {} reply: status {status}",
             r.status
         );
+    }
+}
+
+/// Write the destination header for `choice`. The replica it names first,
+/// or `None` when it names none or the header couldn't be written (logged
+/// and counted; the request goes on without it).
+fn write_destination<H: Host>(h: &H, w: &Worker, choice: &Choice) -> Option<Endpoint> {
+    let &first = choice.order.first()?;
+    let ep = w.router.endpoint(first).cloned()?;
+    let name = &w.router.config.destination_header;
+    let value = w.router.header_value(choice);
+    if let Err(status) = h.replace_header(Map::Request, name, &value) {
+        log::warn!("prefix-router: could not set `{name}`: status {status}");
+        w.stats.header_write_errors.inc(h);
+        return None;
+    }
+    Some(ep)
+}
+
+/// Deliberate, and only in the test build: it exercises Envoy's
+/// failure_policy.
+#[cfg(feature = "fault-injection")]
+fn trap_if_asked(w: &Worker) {
+    if w.router.config.debug_trap_on_request == Some(w.seq) {
+        #[allow(clippy::panic)]
+        {
+            panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
+        }
     }
 }
 
