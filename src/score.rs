@@ -428,6 +428,25 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 /// agreeing on conversations, which then alternated between two replicas
 /// (multi-turn hit rate 77.4% against 85.6%; with a margin of two
 /// placements 82.9%, share unchanged).
+///
+/// Dropping the margin (new content on the first candidate unless it is
+/// over the bound: consistent hashing with bounded loads) was tried too.
+/// In long-preamble's start-up backlog each instance's own in-flight
+/// sample crosses the margin often, so instances that meet a document at
+/// different moments put it on different candidates and each keeps its
+/// own: two warm copies, more than the KV caches hold. Without the margin,
+/// 3 instances, pinned draws (`--replica-port 4S100`) seeds 1-3, before /
+/// after: documents on more than one replica 17 / 11, 15 / 12, 8 / 7;
+/// warm TTFT p95 628 / 461, 527 / 395, 99 / 99. Agentic, whose agents'
+/// first turns open alike and share a key, came out mixed: draws 51100
+/// to 54100 (seed 1), hit rate / p95 92.9 / 1,967 against 92.9 / 2,513,
+/// 92.4 / 3,155 against 92.0 / 5,348, 91.7 / 6,408 against 92.4 / 4,862,
+/// and 78.0 / 23,670 against 79.6 / 27,665 (five and six of the eight
+/// sessions on one replica, 43 and 46 replica changes: a collapse with
+/// either rule); in a one-report run at 2-4 instances every session sat
+/// on two of the four replicas (share 2.26-2.37, p95 2.6-2.8x one
+/// instance's). Shared-prefix, seeds 1-4: hit rate 95.4 / 95.2 (mean).
+/// Multi-turn: the same. Not landed: no win on every workload.
 fn two_choices(by_hash: &[usize], pressure: &[f64], keeps: &[bool], margin: f64) -> Option<usize> {
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
