@@ -196,7 +196,8 @@ impl Default for Weights {
         // A cached prefix is worth more than the prefill it saves once: the
         // group's next requests hit it too, and a copy elsewhere costs a
         // full prefill that queues whatever arrives behind it. 4:1 was the
-        // best tail TTFT on the shared-prefix benchmark (README, tuning).
+        // best tail TTFT on the shared-prefix benchmark (2:1 doubled to
+        // tripled it: docs/operators-guide.md, tuning).
         Weights {
             prefix: 4.0,
             load: 1.0,

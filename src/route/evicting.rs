@@ -9,7 +9,7 @@
 //! so nothing ever moves off it. Measured on shared-prefix with one of
 //! eight replicas at a quarter of the KV cache: its hit rate 57.6% against
 //! 95.9% on the others, with the same ten groups each, and it set the
-//! pool's TTFT tail (README, "Mixed KV caches").
+//! pool's TTFT tail (README, "Replicas that evict what they hold").
 //!
 //! The replica says so itself: its prefix cache's hit rate, from its own
 //! counters (`replicas::CacheRate`), which every gateway instance reads

@@ -35,8 +35,8 @@
 //! instances: hit rate 83.7-84.6% against 86.7-87.0%, TTFT p95 +46-55%).
 //!
 //! Off by default: it evens the load out over minutes, but every move is a
-//! cold prefill and can crowd the replica it lands on (README, Many
-//! gateways, has the numbers).
+//! cold prefill and can crowd the replica it lands on (the numbers:
+//! docs/measurements.md, `traffic_balance`).
 
 use crate::replicas::traffic_shares;
 use crate::score::{rendezvous, Candidate};
