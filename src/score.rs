@@ -446,7 +446,15 @@ fn reason(cands: &[Candidate], order: &[usize], blocks: u32) -> Reason {
 /// either rule); in a one-report run at 2-4 instances every session sat
 /// on two of the four replicas (share 2.26-2.37, p95 2.6-2.8x one
 /// instance's). Shared-prefix, seeds 1-4: hit rate 95.4 / 95.2 (mean).
-/// Multi-turn: the same. Not landed: no win on every workload.
+/// Multi-turn: the same. Not landed: no win on every workload. Dropping
+/// it only for documents (a single question bringing at least 64 new
+/// blocks), which leaves agents' tasks and conversations alone, was tried
+/// as well: long-preamble, draws 41100 and 42100, split documents 14 / 11
+/// and 19 / 12, warm p95 607 / 536 and 638 / 385; but shared-prefix's
+/// groups are documents too, and with 15 keys on 8 replicas the margin is
+/// what evens them out: seeds 1-4 (draws 3S210), hit rate 95.3, 94.1,
+/// 93.4, 94.8 against 94.4, 93.9, 92.2, 94.7, TTFT p95 390, 803, 976, 396
+/// against 711, 841, 981, 554. Not landed either.
 fn two_choices(by_hash: &[usize], pressure: &[f64], keeps: &[bool], margin: f64) -> Option<usize> {
     let within = |i: &usize| keeps.get(*i).copied().unwrap_or(false);
     let top: Vec<usize> = by_hash.iter().take(2).copied().filter(within).collect();
