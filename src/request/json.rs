@@ -464,11 +464,7 @@ fn structure(
         }
         let ([quotes, slashes, opens, closes], n) =
             block_masks(rest, [QUOTE, SLASH, OPEN, CLOSE], lane);
-        let escapes = if slashes == 0 && !carry {
-            0
-        } else {
-            escaped(slashes, &mut carry)
-        };
+        let escapes = escaped(slashes, &mut carry);
         let real = quotes & !escapes;
         // From each opening quote up to (not with) its closing one.
         let strings = prefix_xor(real) ^ inside;
