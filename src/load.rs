@@ -13,8 +13,8 @@ use crate::endpoint::ReplicaId;
 use crate::store::{self, get_existing, update, Store, Writer};
 
 /// 2: placed content; 3: the common record envelope (`store::Writer`);
-/// 4: placed branches; 5: blocks sent.
-const VERSION: u8 = 5;
+/// 4: placed branches; 5: blocks sent; 6: branches withdrawn.
+const VERSION: u8 = 6;
 /// The slot counter's (unversioned before: a bare u32).
 const COUNT_VERSION: u8 = 1;
 /// Placed-content estimates halve this often: roughly how long a model
@@ -41,6 +41,11 @@ pub struct Load {
     /// of these, all but `placed` were blocks the index credited it with,
     /// the share of hits it should measure (`route::evicting`).
     pub sent: u32,
+    /// In a slot only: sessions another VM placed on the replica that this
+    /// VM saw move on (`LoadBoard::withdraw_branch`), decaying like
+    /// `branches`. A snapshot takes them off the sum of `branches` (and
+    /// shows 0 here).
+    pub withdrawn: u32,
 }
 
 /// The index must have expected this many blocks of hits on a replica
@@ -84,7 +89,7 @@ fn slot_key(i: u32) -> String {
 }
 
 fn encode(s: &Slot) -> Vec<u8> {
-    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 32);
+    let mut w = Writer::new(VERSION, 20 + s.loads.len() * 36);
     w.u64(s.owner).u64(s.heartbeat_ms).count(s.loads.len());
     for (id, l) in &s.loads {
         w.u64(*id)
@@ -92,7 +97,8 @@ fn encode(s: &Slot) -> Vec<u8> {
             .u64(l.work)
             .u32(l.placed)
             .u32(l.branches)
-            .u32(l.sent);
+            .u32(l.sent)
+            .u32(l.withdrawn);
     }
     w.finish()
 }
@@ -107,6 +113,7 @@ fn decode(buf: &[u8]) -> Option<Slot> {
             let id = r.u64()?;
             let (requests, work) = (r.u32()?, r.u64()?);
             let (placed, branches, sent) = (r.u32()?, r.u32()?, r.u32()?);
+            let withdrawn = r.u32()?;
             loads.push((
                 id,
                 Load {
@@ -115,6 +122,7 @@ fn decode(buf: &[u8]) -> Option<Slot> {
                     placed,
                     branches,
                     sent,
+                    withdrawn,
                 },
             ));
         }
@@ -200,9 +208,19 @@ impl LoadBoard {
     /// A session placed on `id` moved on (see `route::Choice::home`): it no
     /// longer counts among `id`'s recent placements. Published with the
     /// next `start`.
+    ///
+    /// Another VM may have placed it there (a client's pooled connections
+    /// reach any worker): its count is in that VM's slot, which only that
+    /// VM writes. Then this one records the move (`withdrawn`), and the
+    /// sum over slots drops by one all the same. Left as a no-op, half the
+    /// moves with two workers kept counting at the replica they left, and
+    /// the sessions placed after them avoided it (agentic: 3/2/1/2 sessions
+    /// on four replicas).
     pub fn withdraw_branch(&mut self, id: ReplicaId) {
-        if let Some(l) = self.local.get_mut(&id) {
-            l.branches = l.branches.saturating_sub(1);
+        let l = self.local.entry(id).or_default();
+        match l.branches.checked_sub(1) {
+            Some(n) => l.branches = n,
+            None => l.withdrawn = l.withdrawn.saturating_add(1),
         }
     }
 
@@ -227,10 +245,10 @@ impl LoadBoard {
                 l.placed = halve(l.placed);
                 l.branches = halve(l.branches);
                 l.sent = halve(l.sent);
+                l.withdrawn = halve(l.withdrawn);
             }
         }
-        self.local
-            .retain(|_, l| l.requests > 0 || l.placed > 0 || l.branches > 0 || l.sent > 0);
+        self.local.retain(|_, l| *l != Load::default());
     }
 
     /// Called on the timer: keeps the slot fresh while the VM lives.
@@ -384,7 +402,12 @@ pub fn snapshot<S: Store + ?Sized>(
             t.placed = t.placed.saturating_add(l.placed);
             t.branches = t.branches.saturating_add(l.branches);
             t.sent = t.sent.saturating_add(l.sent);
+            t.withdrawn = t.withdrawn.saturating_add(l.withdrawn);
         }
+    }
+    for t in out.values_mut() {
+        t.branches = t.branches.saturating_sub(t.withdrawn);
+        t.withdrawn = 0;
     }
     out
 }
@@ -554,6 +577,34 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_session_moved_through_another_vm_leaves_the_replica_it_left() {
+        let s = MemStore::new();
+        let mut w1 = LoadBoard::new(1, 1_000_000);
+        let mut w2 = LoadBoard::new(2, 1_000_000);
+        // w1 placed two sessions on 10; w2 sees one of them move to 20.
+        w1.start(&s, 10, started(5, 30, true), 0);
+        w1.start(&s, 10, started(5, 30, true), 0);
+        w2.withdraw_branch(10);
+        w2.start(&s, 20, started(5, 30, true), 0);
+        let snap = snapshot(&s, 1, 1_000_000);
+        assert_eq!((snap[&10].branches, snap[&20].branches), (1, 1));
+        assert_eq!(snap[&10].withdrawn, 0);
+        // The other one moves through w1 itself: its own count drops.
+        w1.withdraw_branch(10);
+        w1.start(&s, 30, started(5, 30, true), 1);
+        let snap = snapshot(&s, 2, 1_000_000);
+        assert_eq!(snap[&10].branches, 0);
+        assert_eq!(w1.local(10).withdrawn, 0);
+        // A withdrawal decays like the placements it cancels, and never
+        // takes the sum below zero.
+        w2.withdraw_branch(10);
+        w2.heartbeat(&s, 3);
+        assert_eq!(snapshot(&s, 4, 1_000_000)[&10].branches, 0);
+        w2.heartbeat(&s, 3 + 2 * PLACED_HALF_LIFE_MS);
+        assert_eq!(w2.local(10), Load::default());
+    }
+
+    #[test]
     fn finish_without_start_never_underflows() {
         let s = MemStore::new();
         let mut w = LoadBoard::new(1, 1000);
@@ -579,6 +630,7 @@ pub(crate) mod tests {
                     placed: 6,
                     branches: 7,
                     sent: 8,
+                    withdrawn: 9,
                 },
             )],
         });

@@ -143,9 +143,19 @@ fn agent(session: usize, turns: usize) -> String {
 
 #[test]
 fn agent_sessions_spread_evenly_when_their_first_result_finds_home_busy() {
+    // One Envoy worker, then two: each session's task is placed by one
+    // worker and its first tool result by the other, as a client's pooled
+    // connections spread a session's requests over workers.
+    for workers in [1, 2] {
+        sessions_spread_evenly(workers);
+    }
+}
+
+fn sessions_spread_evenly(workers: u64) {
     let r = router("");
     let s = MemStore::new();
-    let mut board = LoadBoard::new(1, 10_000);
+    let mut boards: Vec<LoadBoard> = (1..=workers).map(|w| LoadBoard::new(w, 10_000)).collect();
+    let vms = boards.len();
     let id = |i: usize| r.endpoint(i).unwrap().id();
     let run = |body: &str, board: &mut LoadBoard| {
         let h = hashed(&r, body);
@@ -156,7 +166,7 @@ fn agent_sessions_spread_evenly_when_their_first_result_finds_home_busy() {
     };
     // First turns: a task below the preamble, two per replica.
     let first: Vec<usize> = (0..8)
-        .map(|a| run(&agent(a, 0), &mut board).order[0])
+        .map(|a| run(&agent(a, 0), &mut boards[a % vms]).order[0])
         .collect();
     // Each session's first tool result arrives while another session's
     // long turn runs on the replica that took its task. A task is no
@@ -164,29 +174,33 @@ fn agent_sessions_spread_evenly_when_their_first_result_finds_home_busy() {
     // sessions each replica took, not by who is idle this instant.
     let mut homes = Vec::new();
     for (a, &took) in first.iter().enumerate() {
+        let board = &mut boards[(a + 1) % vms];
         board.start(&s, id(took), started(900, 0, false), 1000);
-        let c = run(&agent(a, 1), &mut board);
+        let c = run(&agent(a, 1), board);
         board.finish(&s, id(took), 900, 1000);
-        assert_eq!(c.reason, Reason::NewBranch, "session {a}");
+        assert_eq!(
+            c.reason,
+            Reason::NewBranch,
+            "{workers} workers, session {a}"
+        );
         homes.push(c.order[0]);
     }
     for replica in 0..4 {
         let n = homes.iter().filter(|&&h| h == replica).count();
-        assert_eq!(n, 2, "replica {replica}: {homes:?} (tasks on {first:?})");
-        // A moved session counts where it went, once.
+        let why = format!("{workers} workers, replica {replica}: {homes:?} (tasks on {first:?})");
+        assert_eq!(n, 2, "{why}");
+        // A moved session counts where it went, once, whichever worker
+        // placed it first.
         let placed = load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
-        assert_eq!(
-            placed, 2,
-            "replica {replica}: {homes:?} (tasks on {first:?})"
-        );
+        assert_eq!(placed, 2, "{why}");
     }
     // From then on each session stays home.
     for (a, &home) in homes.iter().enumerate() {
-        let c = run(&agent(a, 2), &mut board);
+        let c = run(&agent(a, 2), &mut boards[a % vms]);
         assert_eq!(
             (c.order[0], c.reason),
             (home, Reason::PrefixHit),
-            "session {a}"
+            "{workers} workers, session {a}"
         );
     }
 }
