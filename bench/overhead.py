@@ -8,13 +8,15 @@ without the filter, Envoy with the body floor (examples/body_floor.rs: a
 wasm filter that holds the request,
 reads its body once and writes the destination header, deciding nothing),
 Envoy with prefix-router, and sglang-router (`smg launch --policy
-cache_aware`) when installed. Envoy runs with --concurrency 2. All proxies
+cache_aware`) when installed. Envoy runs with --concurrency 2 (`--workers`:
+the decision reads state every worker shares, so its cost can depend on
+it). All proxies
 run at once and their reps take turns, so a slow minute lands on all of
 them; each cell is the median of `--reps` runs; proxy CPU comes from
 /proc/<pid>/stat (user + system, all threads) over the run.
 
     scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144] [--shapes chat,agent]
-        [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...]
+        [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...] [--workers 2]
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ def echo_backend():
 
 # Router name -> wasm module, for the Envoy + prefix-router kinds.
 MODULES: dict[str, Path] = {}
+# Envoy's --concurrency for every Envoy-based router.
+WORKERS = 2
 
 
 @contextlib.contextmanager
@@ -78,10 +82,10 @@ def proxy(kind: str, backend: str):
             "override_host", {"endpoints": [backend]}, [backend], harness.free_port(), harness.free_port(),
             wasm_path=MODULES[kind],
         )
-        with harness.Envoy(cfg, concurrency=2) as env:
+        with harness.Envoy(cfg, concurrency=WORKERS) as env:
             yield f"127.0.0.1:{env.port}", env.proc.pid
         return
-    router = orchestrate.Router(kind, [backend], 2, 1)
+    router = orchestrate.Router(kind, [backend], WORKERS, 1)
     why = router.unavailable()
     if why:
         raise LookupError(why)
@@ -115,7 +119,10 @@ def main(argv=None) -> int:
                     help="another build, measured side by side as `prefix-router-before`")
     ap.add_argument("--module", action="append", default=[], metavar="NAME=PATH",
                     help="any other proxy-wasm module, loaded the same way and measured as NAME")
+    ap.add_argument("--workers", type=int, default=2, help="Envoy's --concurrency (worker threads)")
     a = ap.parse_args(argv)
+    global WORKERS
+    WORKERS = a.workers
     MODULES["prefix-router"] = a.wasm
     MODULES["body-floor"] = FLOOR
     extra = dict(m.split("=", 1) for m in a.module)
