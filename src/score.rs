@@ -137,6 +137,9 @@ pub struct Ranked {
     /// Cost per candidate (same indexing as the input), for the debug header.
     pub costs: Vec<f64>,
     pub reason: Reason,
+    /// For a load spill: the candidate it leaves (the deepest holder, over
+    /// the load bound). What it held moves with the request (`respill`).
+    pub spilled_from: Option<usize>,
 }
 
 impl ScoreParams {
@@ -190,6 +193,7 @@ pub fn rank_below(
             order: Vec::new(),
             costs: Vec::new(),
             reason: Reason::NoPrompt,
+            spilled_from: None,
         };
     }
     // With many gateways the in-flight counts are this instance's share
@@ -232,6 +236,13 @@ pub fn rank_below(
             to_front(&mut order, pick);
         }
     }
+    let mut spilled_from = None;
+    if reason == Reason::LoadSpill && !p.agree() {
+        if let Some((pick, holder)) = respill(cands, &loads, &keeps, &order, blocks, p) {
+            to_front(&mut order, pick);
+            spilled_from = Some(holder);
+        }
+    }
     // A session's replica, named by a token another instance may have
     // issued, wins while it is not over the load bound.
     if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
@@ -242,6 +253,7 @@ pub fn rank_below(
         order,
         costs,
         reason,
+        spilled_from,
     }
 }
 
@@ -355,6 +367,62 @@ fn by_cost(
 fn to_front(order: &mut Vec<usize>, i: usize) {
     order.retain(|&j| j != i);
     order.insert(0, i);
+}
+
+/// Where a load spill goes, and whom it leaves. The deepest holder has
+/// more in flight than the prefill it saves is worth (or is over the load
+/// bound), so the request goes to a replica that holds less. Its session
+/// (or its group's next followers) then stays there: the new replica
+/// holds it deepest from now on. So the spill is a placement, made like
+/// one: among the replicas within the bound, work (the prefill each would
+/// do, and what it has in flight) that differs by less than this
+/// request's own work counts as no difference, and the fewest recent
+/// placements win, then the ranking. By cost alone, 10 of 32 agent
+/// sessions on 16 replicas moved at their second turn (another session's
+/// cold first turn was in flight on their replica) to whichever was least
+/// busy that instant, and two replicas ended with three sessions each
+/// (share 1.65; dealt two each, the sessions' own lengths leave 1.37).
+/// Only with one gateway: with several, where a session goes is what every
+/// instance must compute alike.
+///
+/// Returns the pick and the holder it leaves; `None` when no replica is
+/// within the bound to choose among, or the cost's pick is not among the
+/// near-equals (a queue or KV pressure on them).
+fn respill(
+    cands: &[Candidate],
+    loads: &[f64],
+    keeps: &[bool],
+    order: &[usize],
+    blocks: u32,
+    p: &ScoreParams,
+) -> Option<(usize, usize)> {
+    let holder = (0..cands.len()).max_by_key(|&i| cands[i].matched)?;
+    let within: Vec<usize> = (0..cands.len()).filter(|&i| keeps[i]).collect();
+    let depth = within.iter().map(|&i| cands[i].matched).max()?;
+    // What taking the request adds to each: its prefill there, and the
+    // work already in flight.
+    let extra = |i: usize| f64::from(depth - cands[i].matched.min(depth)) + loads[i];
+    let least = within
+        .iter()
+        .map(|&i| extra(i))
+        .fold(f64::INFINITY, f64::min);
+    let own = p.work_of(blocks, depth) as f64;
+    let near: Vec<usize> = within
+        .into_iter()
+        .filter(|&i| extra(i) - least <= own)
+        .collect();
+    // The cost may prefer another for its queue or KV: then it is no
+    // choice among equals, and it stands.
+    if !order.first().is_some_and(|f| near.contains(f)) {
+        return None;
+    }
+    let recent = |i: usize| cands[i].load.branches.saturating_add(others(&cands[i], p));
+    let pick = order
+        .iter()
+        .copied()
+        .filter(|i| near.contains(i))
+        .min_by_key(|&i| recent(i))?;
+    (pick != holder).then_some((pick, holder))
 }
 
 /// One request's constant in cost units: costs closer than this are ties.
@@ -587,6 +655,40 @@ mod tests {
             evicting: false,
             trust: 1.0,
         }
+    }
+
+    #[test]
+    fn a_spilled_session_goes_where_fewer_sessions_are_among_the_near_idle() {
+        // The session's replica (640 blocks of it) is over the bound; the
+        // others hold the shared 624-block tool prompt. The least busy one
+        // carries three sessions, another two and one busier by less than
+        // this turn's own work, the last is busy.
+        let mut c = vec![
+            cand(1, 640, 6, 6_000),
+            cand(2, 624, 1, 100),
+            cand(3, 624, 1, 150),
+            cand(4, 624, 2, 1_500),
+        ];
+        c[1].load.branches = 3;
+        c[2].load.branches = 2;
+        let r = rank(&c, 770, 7, &params());
+        assert_eq!(r.reason, Reason::LoadSpill);
+        assert_eq!((r.order[0], r.spilled_from), (2, Some(0)));
+        // Equal counts: the ranking's pick stands (least busy first).
+        c[2].load.branches = 3;
+        let r = rank(&c, 770, 7, &params());
+        assert_eq!((r.order[0], r.spilled_from), (1, Some(0)));
+        // More apart than the turn's own work: the busier one is no choice.
+        c[2].load.branches = 0;
+        c[2].load.work = 100 + params().work_of(770, 624) + 1;
+        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        // With several gateways, where a session goes is the agreed
+        // placement's business: no re-pick, nothing moved.
+        let p = ScoreParams {
+            gateways: 3,
+            ..params()
+        };
+        assert_eq!(rank(&c, 770, 7, &p).spilled_from, None);
     }
 
     #[test]

@@ -67,8 +67,8 @@ pub struct Choice {
     pub work: u64,
     pub matches: Matches,
     /// The replica that took the session's earlier request, when this one
-    /// places the session anew (`thin_lead`): the session counts as one
-    /// placement, on whichever replica keeps it.
+    /// places the session anew (`thin_lead`) or spills it (`respill`): the
+    /// session counts as one placement, on whichever replica keeps it.
     pub home: Option<ReplicaId>,
     /// Replicas whose credit for this prefix was withheld because they
     /// evict more than they are credited with (`evicting`) or carry more
@@ -375,7 +375,10 @@ impl Router {
             stamped: held.stamped,
             work: self.params.work_of(blocks, held.blocks),
             matches,
-            home: depth.home,
+            // A spill moves what its replica held (`score::respill`).
+            home: depth
+                .home
+                .or_else(|| ranked.spilled_from.and_then(|i| cands.get(i)).map(|c| c.id)),
             withheld: corrected.withheld,
             evicting: corrected.evicting,
             hot: corrected.hot,
@@ -607,7 +610,8 @@ impl Router {
         // a real prefill, and each replica's first copy counts once; left
         // out, only the trunk's first holder was charged for it and it got
         // a fraction of the documents that followed.
-        let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch);
+        let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch)
+            || (choice.reason == Reason::LoadSpill && choice.home.is_some());
         if let Some(home) = choice.home {
             // A session placed anew counts once: where it stays, or where
             // it moved to (and no longer where it was).

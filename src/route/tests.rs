@@ -203,6 +203,35 @@ fn sessions_spread_evenly(workers: u64) {
             "{workers} workers, session {a}"
         );
     }
+    // A later turn that finds its home over the load bound spills, and
+    // its session moves with it: counted where it went, no longer where
+    // it was, so the next spill goes where the fewest sessions are.
+    let branches = |replica: usize| load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
+    let spill = |a: usize, boards: &mut Vec<LoadBoard>| {
+        let home = homes[a];
+        let board = &mut boards[a % vms];
+        board.start(&s, id(home), started(6_000, 0, false), 1000);
+        let c = run(&agent(a, 3), board);
+        board.finish(&s, id(home), 6_000, 1000);
+        assert_eq!(
+            c.reason,
+            Reason::LoadSpill,
+            "{workers} workers, session {a}"
+        );
+        c.order[0]
+    };
+    let left = homes[0];
+    let went = spill(0, &mut boards);
+    assert_ne!(went, left);
+    assert_eq!(
+        (branches(left), branches(went)),
+        (1, 3),
+        "{workers} workers"
+    );
+    let b = (1..8)
+        .find(|&b| homes[b] != left && homes[b] != went)
+        .unwrap();
+    assert_eq!(spill(b, &mut boards), left, "{workers} workers");
 }
 
 #[test]
