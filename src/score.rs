@@ -137,8 +137,8 @@ pub struct Ranked {
     /// Cost per candidate (same indexing as the input), for the debug header.
     pub costs: Vec<f64>,
     pub reason: Reason,
-    /// For a load spill: the candidate it leaves (the deepest holder, over
-    /// the load bound). What it held moves with the request (`respill`).
+    /// For a load spill with one gateway: the candidate it leaves (the
+    /// deepest holder). What it held moves with the request (`respill`).
     pub spilled_from: Option<usize>,
 }
 
@@ -659,8 +659,7 @@ mod tests {
 
     #[test]
     fn a_spilled_session_goes_where_fewer_sessions_are_among_the_near_idle() {
-        // The session's replica (640 blocks of it) is over the bound; the
-        // others hold the shared 624-block tool prompt. The least busy one
+        // The session's replica (640 blocks of it) is busy; the others hold the shared 624-block tool prompt. The least busy one
         // carries three sessions, another two and one busier by less than
         // this turn's own work, the last is busy.
         let mut c = vec![

@@ -203,8 +203,8 @@ fn sessions_spread_evenly(workers: u64) {
             "{workers} workers, session {a}"
         );
     }
-    // A later turn that finds its home over the load bound spills, and
-    // its session moves with it: counted where it went, no longer where
+    // A later turn that finds its home busy spills, and its session
+    // moves with it: counted where it went, no longer where
     // it was, so the next spill goes where the fewest sessions are.
     let branches = |replica: usize| load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
     let spill = |a: usize, boards: &mut Vec<LoadBoard>| {
