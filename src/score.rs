@@ -407,20 +407,20 @@ fn respill(
         .map(|&i| extra(i))
         .fold(f64::INFINITY, f64::min);
     let own = p.work_of(blocks, depth) as f64;
-    let near: Vec<usize> = within
-        .into_iter()
-        .filter(|&i| extra(i) - least <= own)
-        .collect();
+    let mut near = vec![false; cands.len()];
+    for i in within {
+        near[i] = extra(i) - least <= own;
+    }
     // The cost may prefer another for its queue or KV: then it is no
     // choice among equals, and it stands.
-    if !order.first().is_some_and(|f| near.contains(f)) {
+    if !order.first().is_some_and(|&f| near[f]) {
         return None;
     }
     let recent = |i: usize| cands[i].load.branches.saturating_add(others(&cands[i], p));
     let pick = order
         .iter()
         .copied()
-        .filter(|i| near.contains(i))
+        .filter(|&i| near[i])
         .min_by_key(|&i| recent(i))?;
     (pick != holder).then_some((pick, holder))
 }

@@ -172,12 +172,17 @@ fn sessions_spread_evenly(workers: u64) {
     // long turn runs on the replica that took its task. A task is no
     // home yet: the session is placed like new content, by how many
     // sessions each replica took, not by who is idle this instant.
+    // A turn that arrives while `work` runs on `busy`.
+    let run_beside = |body: &str, board: &mut LoadBoard, busy: usize, work: u64| {
+        board.start(&s, id(busy), started(work, 0, false), 1000);
+        let c = run(body, board);
+        board.finish(&s, id(busy), work, 1000);
+        c
+    };
+    let branches = |replica: usize| load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
     let mut homes = Vec::new();
     for (a, &took) in first.iter().enumerate() {
-        let board = &mut boards[(a + 1) % vms];
-        board.start(&s, id(took), started(900, 0, false), 1000);
-        let c = run(&agent(a, 1), board);
-        board.finish(&s, id(took), 900, 1000);
+        let c = run_beside(&agent(a, 1), &mut boards[(a + 1) % vms], took, 900);
         assert_eq!(
             c.reason,
             Reason::NewBranch,
@@ -191,8 +196,7 @@ fn sessions_spread_evenly(workers: u64) {
         assert_eq!(n, 2, "{why}");
         // A moved session counts where it went, once, whichever worker
         // placed it first.
-        let placed = load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
-        assert_eq!(placed, 2, "{why}");
+        assert_eq!(branches(replica), 2, "{why}");
     }
     // From then on each session stays home.
     for (a, &home) in homes.iter().enumerate() {
@@ -206,13 +210,8 @@ fn sessions_spread_evenly(workers: u64) {
     // A later turn that finds its home busy spills, and its session
     // moves with it: counted where it went, no longer where
     // it was, so the next spill goes where the fewest sessions are.
-    let branches = |replica: usize| load::snapshot(&s, 1000, 10_000)[&id(replica)].branches;
     let spill = |a: usize, boards: &mut Vec<LoadBoard>| {
-        let home = homes[a];
-        let board = &mut boards[a % vms];
-        board.start(&s, id(home), started(6_000, 0, false), 1000);
-        let c = run(&agent(a, 3), board);
-        board.finish(&s, id(home), 6_000, 1000);
+        let c = run_beside(&agent(a, 3), &mut boards[a % vms], homes[a], 6_000);
         assert_eq!(
             c.reason,
             Reason::LoadSpill,
