@@ -659,9 +659,10 @@ mod tests {
 
     #[test]
     fn a_spilled_session_goes_where_fewer_sessions_are_among_the_near_idle() {
-        // The session's replica (640 blocks of it) is busy; the others hold the shared 624-block tool prompt. The least busy one
-        // carries three sessions, another two and one busier by less than
-        // this turn's own work, the last is busy.
+        // The session's replica (640 blocks of it) is busy; the others
+        // hold the shared 624-block tool prompt. The least busy one carries
+        // three sessions, another two and one busier by less than this
+        // turn's own work, the last is busy.
         let mut c = vec![
             cand(1, 640, 6, 6_000),
             cand(2, 624, 1, 100),
