@@ -399,9 +399,14 @@ fn respill(
     let holder = (0..cands.len()).max_by_key(|&i| cands[i].matched)?;
     let within: Vec<usize> = (0..cands.len()).filter(|&i| keeps[i]).collect();
     let depth = within.iter().map(|&i| cands[i].matched).max()?;
-    // What taking the request adds to each: its prefill there, and the
-    // work already in flight.
-    let extra = |i: usize| f64::from(depth - cands[i].matched.min(depth)) + loads[i];
+    // What taking the request adds to each: its prefill there, the work
+    // already in flight, and the scraped queue, KV and LoRA pressure at
+    // the cost's exchange rate. Without the last, a replica nobody sends
+    // to because its queue is deep has the fewest sessions of all, and
+    // took spills (a metrics page reporting a million waiting did).
+    let pressure = pressure(cands, loads, p);
+    let per_block = p.weights.load.max(f64::EPSILON);
+    let extra = |i: usize| f64::from(depth - cands[i].matched.min(depth)) + pressure[i] / per_block;
     let least = within
         .iter()
         .map(|&i| extra(i))
@@ -682,6 +687,13 @@ mod tests {
         c[2].load.branches = 0;
         c[2].load.work = 100 + params().work_of(770, 624) + 1;
         assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        // A scraped queue is work too: the replica with no sessions but
+        // a deep queue is no choice, however idle its in-flight count.
+        c[2].load.work = 150;
+        c[2].waiting = 1_000_000.0;
+        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        c[2].waiting = 0.0;
+        assert_eq!(rank(&c, 770, 7, &params()).order[0], 2);
         // With several gateways, where a session goes is the agreed
         // placement's business: no re-pick, nothing moved.
         let p = ScoreParams {
