@@ -339,23 +339,10 @@ impl Scraper {
         }
         self.table.record(ep.id(), outcome, now_ms);
         self.dirty = true;
-        let row = self.table.row(ep.id()).cloned();
         let g = self.gauges(ep);
-        if outcome.is_err() {
-            g.failed.inc(&Envoy);
-            return;
-        }
-        g.ok.inc(&Envoy);
-        // The row's sanitised values, not the page's: the gauges never
-        // show what the router doesn't believe.
-        if let Some(row) = row {
-            g.waiting.record(&Envoy, row.waiting as u64);
-            g.running.record(&Envoy, row.running as u64);
-            g.kv_percent
-                .record(&Envoy, (row.kv_usage * 100.0).round() as u64);
-            if let Some(rate) = row.cache.hit_rate() {
-                g.hit_percent.record(&Envoy, (rate * 100.0).round() as u64);
-            }
+        match outcome {
+            Ok(_) => g.ok.inc(&Envoy),
+            Err(()) => g.failed.inc(&Envoy),
         }
     }
 
@@ -367,24 +354,36 @@ impl Scraper {
         }
         let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
         self.table.retain(&known);
-        self.record_shares();
         match self.table.publish(&SharedData) {
             Ok(()) => self.dirty = false,
-            Err(e) => log::debug!("prefix-router: replica table not written: {e}"),
+            Err(e) => {
+                log::debug!("prefix-router: replica table not written: {e}");
+                return;
+            }
         }
+        self.show_rows();
     }
 
-    /// Each replica's share of the pool's prompt traffic, in percent of
-    /// the mean: what `route::hot` compares with its line. Once a round,
-    /// since every share depends on every row.
-    fn record_shares(&self) {
+    /// The published rows' sanitised values, not the pages': the gauges
+    /// never show what the router doesn't believe, nor show it before a
+    /// decision can read it. Shares once a round, since every share
+    /// depends on every row (`route::hot` compares them with its line).
+    fn show_rows(&self) {
         let rows = self.table.rows();
         let traffic: Vec<Option<f32>> = rows.iter().map(|r| r.cache.traffic()).collect();
-        let Some(shares) = replicas::traffic_shares(&traffic) else {
-            return;
-        };
-        for (row, share) in rows.iter().zip(shares) {
-            if let Some(g) = self.gauges.get(&row.id) {
+        let shares = replicas::traffic_shares(&traffic);
+        for (i, row) in rows.iter().enumerate() {
+            let Some(g) = self.gauges.get(&row.id) else {
+                continue;
+            };
+            g.waiting.record(&Envoy, row.waiting as u64);
+            g.running.record(&Envoy, row.running as u64);
+            g.kv_percent
+                .record(&Envoy, (row.kv_usage * 100.0).round() as u64);
+            if let Some(rate) = row.cache.hit_rate() {
+                g.hit_percent.record(&Envoy, (rate * 100.0).round() as u64);
+            }
+            if let Some(share) = shares.as_ref().and_then(|s| s.get(i)) {
                 g.traffic_share
                     .record(&Envoy, (share * 100.0).round() as u64);
             }
