@@ -236,16 +236,15 @@ pub fn rank_below(
             to_front(&mut order, pick);
         }
     }
+    let pressure = pressure(cands, &loads, p);
     let mut spilled_from = None;
     if reason == Reason::LoadSpill && !p.agree() {
-        if let Some((pick, holder)) = respill(cands, &loads, &keeps, &order, blocks, p) {
+        if let Some((pick, holder)) = respill(cands, &pressure, &keeps, &order, blocks, p) {
             to_front(&mut order, pick);
             spilled_from = Some(holder);
         }
     }
-    // A session's replica, named by a token another instance may have
-    // issued, wins while it is not over the load bound.
-    if let Some(a) = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i]) {
+    if let Some(a) = token_holder(cands, &keeps, blocks, p) {
         to_front(&mut order, a);
         reason = Reason::Affinity;
     }
@@ -306,9 +305,7 @@ fn costs(
             let evicts = if c.evicting { blocks } else { 0 };
             w.prefix * (blocks.saturating_sub(credit) + evicts) as f64
                 + w.load * felt
-                + w.queue * c.waiting.max(0.0) as f64
-                + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
-                + c.lora.cost(w.lora)
+                + scraped(c, w)
                 + spread_cost(
                     w.spread,
                     c.load.placed,
@@ -390,7 +387,7 @@ fn to_front(order: &mut Vec<usize>, i: usize) {
 /// near-equals (a queue or KV pressure on them).
 fn respill(
     cands: &[Candidate],
-    loads: &[f64],
+    pressure: &[f64],
     keeps: &[bool],
     order: &[usize],
     blocks: u32,
@@ -404,7 +401,6 @@ fn respill(
     // the cost's exchange rate. Without the last, a replica nobody sends
     // to because its queue is deep has the fewest sessions of all, and
     // took spills (a metrics page reporting a million waiting did).
-    let pressure = pressure(cands, loads, p);
     let per_block = p.weights.load.max(f64::EPSILON);
     let extra = |i: usize| f64::from(depth - cands[i].matched.min(depth)) + pressure[i] / per_block;
     let least = within
@@ -428,6 +424,28 @@ fn respill(
         .filter(|&i| near[i])
         .min_by_key(|&i| recent(i))?;
     (pick != holder).then_some((pick, holder))
+}
+
+/// The replica a session's affinity token names (another instance may
+/// have issued it, so this one may not know the session's prompt): it
+/// wins while within the load bound (work in flight is the bound's
+/// business) and its scraped queue, KV and LoRA pressure exceed the
+/// least by less than holding the whole prompt saves. So a dying
+/// replica's queue turns its sessions away, as it turns away hits.
+fn token_holder(
+    cands: &[Candidate],
+    keeps: &[bool],
+    blocks: u32,
+    p: &ScoreParams,
+) -> Option<usize> {
+    let a = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i])?;
+    let w = &p.weights;
+    let least = (0..cands.len())
+        .filter(|&i| keeps[i])
+        .map(|i| scraped(&cands[i], w))
+        .fold(f64::INFINITY, f64::min);
+    let saved = w.prefix * f64::from(blocks);
+    (scraped(&cands[a], w) - least <= saved).then_some(a)
 }
 
 /// One request's constant in cost units: costs closer than this are ties.
@@ -574,13 +592,16 @@ fn pressure(cands: &[Candidate], loads: &[f64], p: &ScoreParams) -> Vec<f64> {
     cands
         .iter()
         .zip(loads)
-        .map(|(c, &l)| {
-            w.load * l
-                + w.queue * c.waiting.max(0.0) as f64
-                + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
-                + c.lora.cost(w.lora)
-        })
+        .map(|(c, &l)| w.load * l + scraped(c, w))
         .collect()
+}
+
+/// The pressure every gateway instance reads alike: the scraped queue,
+/// KV usage and LoRA adapters, in cost units.
+fn scraped(c: &Candidate, w: &Weights) -> f64 {
+    w.queue * c.waiting.max(0.0) as f64
+        + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
+        + c.lora.cost(w.lora)
 }
 
 /// Whether each replica keeps the credit for what it holds: it is under
@@ -959,6 +980,14 @@ mod tests {
         c[0].load.requests = 12;
         let r = rank(&c, 130, 5, &params());
         assert_eq!((r.order[0], r.reason), (1, Reason::PrefixHit));
+        // Within the bound but with a scraped queue worth more than the
+        // whole prompt's prefill (130 blocks x 4 = 520 = 32.5 waiting):
+        // not followed; a shorter queue is.
+        c[0].load = Load::default();
+        c[0].waiting = 33.0;
+        assert_ne!(rank(&c, 130, 5, &params()).reason, Reason::Affinity);
+        c[0].waiting = 32.0;
+        assert_eq!(rank(&c, 130, 5, &params()).reason, Reason::Affinity);
     }
 
     #[test]
