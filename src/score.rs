@@ -374,7 +374,11 @@ fn to_front(order: &mut Vec<usize>, i: usize) {
 /// one: among the replicas within the bound, work (the prefill each would
 /// do, and what it has in flight) that differs by less than this
 /// request's own work counts as no difference, and the fewest recent
-/// placements win, then the ranking. By cost alone, 10 of 32 agent
+/// placements win, then the ranking; and when even those would end with
+/// more sessions than the holder had, a busier replica within the bound
+/// that would not (the wait is one turn's, the deal the session's life:
+/// 32 sessions on 16 replicas, dealt 2 each on 5 of 6 runs against 1 of
+/// 6, share median 1.50 against 1.66). By cost alone, 10 of 32 agent
 /// sessions on 16 replicas moved at their second turn (another session's
 /// cold first turn was in flight on their replica) to whichever was least
 /// busy that instant, and two replicas ended with three sessions each
@@ -418,11 +422,20 @@ fn respill(
         return None;
     }
     let recent = |i: usize| cands[i].load.branches.saturating_add(others(&cands[i], p));
+    let home = recent(holder);
     let pick = order
         .iter()
         .copied()
         .filter(|&i| near[i])
         .min_by_key(|&i| recent(i))?;
+    let pick = if recent(pick) < home {
+        pick
+    } else {
+        (0..cands.len())
+            .filter(|&i| keeps[i] && i != holder && recent(i) < home)
+            .min_by(|&a, &b| extra(a).total_cmp(&extra(b)))
+            .unwrap_or(pick)
+    };
     (pick != holder).then_some((pick, holder))
 }
 
@@ -722,6 +735,28 @@ mod tests {
             ..params()
         };
         assert_eq!(rank(&c, 770, 7, &p).spilled_from, None);
+    }
+
+    #[test]
+    fn a_spill_does_not_leave_its_new_replica_with_more_sessions_than_its_home() {
+        // Home (two sessions) is busy; the idle replica has two sessions
+        // too, a busier one within the bound has one.
+        let mut c = vec![
+            cand(1, 640, 6, 6_000),
+            cand(2, 624, 1, 100),
+            cand(3, 624, 2, 1_500),
+        ];
+        c[0].load.branches = 2;
+        c[1].load.branches = 2;
+        c[2].load.branches = 1;
+        let r = rank(&c, 770, 7, &params());
+        assert_eq!(
+            (r.reason, r.order[0], r.spilled_from),
+            (Reason::LoadSpill, 2, Some(0))
+        );
+        // Nothing to gain from the wait: the idle one.
+        c[2].load.branches = 2;
+        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
     }
 
     #[test]
