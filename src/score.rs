@@ -376,9 +376,11 @@ fn to_front(order: &mut Vec<usize>, i: usize) {
 /// request's own work counts as no difference, and the fewest recent
 /// placements win, then the ranking; and when even those would end with
 /// more sessions than the holder had, a busier replica within the bound
-/// that would not (the wait is one turn's, the deal the session's life:
-/// 32 sessions on 16 replicas, dealt 2 each on 5 of 6 runs against 1 of
-/// 6, share median 1.50 against 1.66). By cost alone, 10 of 32 agent
+/// that would not, if busier only by work in flight (the wait is one
+/// turn's, the deal the session's life: 32 sessions on 16 replicas,
+/// dealt 2 each on 5 of 6 runs against 1 of 6, share median 1.46
+/// against 1.66; a scraped queue is no such wait, and a metrics page
+/// reporting a million waiting took a spill without that). By cost alone, 10 of 32 agent
 /// sessions on 16 replicas moved at their second turn (another session's
 /// cold first turn was in flight on their replica) to whichever was least
 /// busy that instant, and two replicas ended with three sessions each
@@ -413,7 +415,7 @@ fn respill(
         .fold(f64::INFINITY, f64::min);
     let own = p.work_of(blocks, depth) as f64;
     let mut near = vec![false; cands.len()];
-    for i in within {
+    for &i in &within {
         near[i] = extra(i) - least <= own;
     }
     // The cost may prefer another for its queue or KV: then it is no
@@ -428,11 +430,20 @@ fn respill(
         .copied()
         .filter(|&i| near[i])
         .min_by_key(|&i| recent(i))?;
+    // Busier by work in flight only (a turn or two, which this instance
+    // sees end): a scraped queue beyond the turn's own work is no choice.
+    let w = &p.weights;
+    let calm = within
+        .iter()
+        .map(|&i| scraped(&cands[i], w))
+        .fold(f64::INFINITY, f64::min)
+        + own * per_block;
     let pick = if recent(pick) < home {
         pick
     } else {
         (0..cands.len())
             .filter(|&i| keeps[i] && i != holder && recent(i) < home)
+            .filter(|&i| scraped(&cands[i], w) <= calm)
             .min_by(|&a, &b| extra(a).total_cmp(&extra(b)))
             .unwrap_or(pick)
     };
@@ -756,6 +767,10 @@ mod tests {
         );
         // Nothing to gain from the wait: the idle one.
         c[2].load.branches = 2;
+        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        // Busier by a scraped queue: no choice either.
+        c[2].load.branches = 1;
+        c[2].waiting = 1_000.0;
         assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
     }
 
