@@ -170,7 +170,26 @@ impl ScoreParams {
 /// Rank `cands` for a request of `blocks` prefix blocks. `placement` is the
 /// request's placement hash (0 when it has none). Empty input → empty order.
 pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -> Ranked {
-    rank_below(cands, blocks, 0, placement, p)
+    let ask = Ask {
+        blocks,
+        placement,
+        ..Ask::default()
+    };
+    rank_below(cands, &ask, p)
+}
+
+/// What a request asks of the ranking: its prefix length in blocks, the
+/// shared trunk above its own content (0 without one), its placement hash
+/// (0 without one), and whether it is a session's later turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ask {
+    pub blocks: u32,
+    pub trunk: u32,
+    pub placement: u64,
+    /// A conversation's or agent session's later turn: a spill moves the
+    /// whole session (the new replica holds its history deepest from now
+    /// on), where a single question only copies its document.
+    pub later_turn: bool,
 }
 
 /// `rank` for a request that brings new content below a shared trunk of
@@ -181,13 +200,13 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
 /// the trunk stampedes them. So new content below a trunk is placed by
 /// load, recent placements and rendezvous, like a new prefix; the
 /// followers of each document then stick to it as usual.
-pub fn rank_below(
-    cands: &[Candidate],
-    blocks: u32,
-    trunk: u32,
-    placement: u64,
-    p: &ScoreParams,
-) -> Ranked {
+pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
+    let Ask {
+        blocks,
+        trunk,
+        placement,
+        ..
+    } = *ask;
     if cands.is_empty() {
         return Ranked {
             order: Vec::new(),
@@ -239,7 +258,7 @@ pub fn rank_below(
     let pressure = pressure(cands, &loads, p);
     let mut spilled_from = None;
     if reason == Reason::LoadSpill && !p.agree() {
-        if let Some((pick, holder)) = respill(cands, &pressure, &keeps, &order, blocks, p) {
+        if let Some((pick, holder)) = respill(cands, &pressure, &keeps, &order, ask, p) {
             to_front(&mut order, pick);
             spilled_from = Some(holder);
         }
@@ -374,17 +393,21 @@ fn to_front(order: &mut Vec<usize>, i: usize) {
 /// one: among the replicas within the bound, work (the prefill each would
 /// do, and what it has in flight) that differs by less than this
 /// request's own work counts as no difference, and the fewest recent
-/// placements win, then the ranking; and when even those would end with
-/// more sessions than the holder had, a busier replica within the bound
-/// that would not, if busier only by work in flight (the wait is one
-/// turn's, the deal the session's life: 32 sessions on 16 replicas,
-/// dealt 2 each on 5 of 6 runs against 1 of 6, share median 1.46
-/// against 1.66; a scraped queue is no such wait, and a metrics page
-/// reporting a million waiting took a spill without that). By cost alone, 10 of 32 agent
-/// sessions on 16 replicas moved at their second turn (another session's
-/// cold first turn was in flight on their replica) to whichever was least
-/// busy that instant, and two replicas ended with three sessions each
-/// (share 1.65; dealt two each, the sessions' own lengths leave 1.37).
+/// placements win, then the ranking. And for a session's later turn,
+/// when even those would end with more sessions than the holder had, a
+/// busier replica within the bound that would not, if busier only by
+/// work in flight (the wait is one turn's, the deal the session's life:
+/// 32 sessions on 16 replicas, dealt 2 each on 4 of 6 runs against 1 of
+/// 6, share median 1.47 against 1.66; a scraped queue is no such wait,
+/// and a metrics page reporting a million waiting took a spill without
+/// that). A single question only copies its document, and its spills
+/// went to busier replicas for nothing (long-preamble: twice the spills,
+/// warm p95 94 -> 227-508 ms on 2 of 3 seeds). By cost
+/// alone, 10 of 32 agent sessions on 16 replicas moved at their second
+/// turn (another session's cold first turn was in flight on their
+/// replica) to whichever was least busy that instant, and two replicas
+/// ended with three sessions each (share 1.65; dealt two each, the
+/// sessions' own lengths leave 1.37).
 /// Only with one gateway: with several, where a session goes is what every
 /// instance must compute alike.
 ///
@@ -396,9 +419,10 @@ fn respill(
     pressure: &[f64],
     keeps: &[bool],
     order: &[usize],
-    blocks: u32,
+    ask: &Ask,
     p: &ScoreParams,
 ) -> Option<(usize, usize)> {
+    let blocks = ask.blocks;
     let holder = (0..cands.len()).max_by_key(|&i| cands[i].matched)?;
     let within: Vec<usize> = (0..cands.len()).filter(|&i| keeps[i]).collect();
     let depth = within.iter().map(|&i| cands[i].matched).max()?;
@@ -438,7 +462,7 @@ fn respill(
         .map(|&i| scraped(&cands[i], w))
         .fold(f64::INFINITY, f64::min)
         + own * per_block;
-    let pick = if recent(pick) < home {
+    let pick = if recent(pick) < home || !ask.later_turn {
         pick
     } else {
         (0..cands.len())
@@ -750,8 +774,9 @@ mod tests {
 
     #[test]
     fn a_spill_does_not_leave_its_new_replica_with_more_sessions_than_its_home() {
-        // Home (two sessions) is busy; the idle replica has two sessions
-        // too, a busier one within the bound has one.
+        // A session's later turn. Home (two sessions) is busy; the idle
+        // replica has two sessions too, a busier one within the bound has
+        // one.
         let mut c = vec![
             cand(1, 640, 6, 6_000),
             cand(2, 624, 1, 100),
@@ -760,18 +785,30 @@ mod tests {
         c[0].load.branches = 2;
         c[1].load.branches = 2;
         c[2].load.branches = 1;
-        let r = rank(&c, 770, 7, &params());
+        let turn = Ask {
+            blocks: 770,
+            placement: 7,
+            later_turn: true,
+            ..Ask::default()
+        };
+        let r = rank_below(&c, &turn, &params());
         assert_eq!(
             (r.reason, r.order[0], r.spilled_from),
             (Reason::LoadSpill, 2, Some(0))
         );
+        // A single question only copies its document: no wait for that.
+        let question = Ask {
+            later_turn: false,
+            ..turn
+        };
+        assert_eq!(rank_below(&c, &question, &params()).order[0], 1);
         // Nothing to gain from the wait: the idle one.
         c[2].load.branches = 2;
-        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        assert_eq!(rank_below(&c, &turn, &params()).order[0], 1);
         // Busier by a scraped queue: no choice either.
         c[2].load.branches = 1;
         c[2].waiting = 1_000.0;
-        assert_eq!(rank(&c, 770, 7, &params()).order[0], 1);
+        assert_eq!(rank_below(&c, &turn, &params()).order[0], 1);
     }
 
     #[test]
@@ -894,8 +931,14 @@ mod tests {
             work: 100,
             ..c[0].load
         };
+        let ask = |placement| Ask {
+            blocks: 654,
+            trunk: 624,
+            placement,
+            later_turn: false,
+        };
         for key in 0..100 {
-            let r = rank_below(&c, 654, 624, key, &params());
+            let r = rank_below(&c, &ask(key), &params());
             assert_eq!(r.reason, Reason::NewBranch);
             assert_eq!(r.order[0], 1, "key {key}: {:?}", r.costs);
         }
@@ -903,7 +946,7 @@ mod tests {
         // difference: the replica without a session gets the next one.
         c[0].load.work = 50;
         for key in 0..100 {
-            assert_eq!(rank_below(&c, 654, 624, key, &params()).order[0], 0);
+            assert_eq!(rank_below(&c, &ask(key), &params()).order[0], 0);
         }
         // Followers are not new content: they stay with the holder.
         c[1].matched = 654;

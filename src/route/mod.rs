@@ -357,7 +357,13 @@ impl Router {
         let corrected = self.correct(&mut cands, hashed);
         let depth = self.depth(store, hashed, &matches, &mut cands);
         let blocks = hashed.blocks();
-        let ranked = score::rank_below(&cands, blocks, depth.trunk, depth.key, &self.params);
+        let ask = score::Ask {
+            blocks,
+            trunk: depth.trunk,
+            placement: depth.key,
+            later_turn: hashed.later_turn,
+        };
+        let ranked = score::rank_below(&cands, &ask, &self.params);
         let held = ranked
             .order
             .first()
