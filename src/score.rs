@@ -401,13 +401,13 @@ fn to_front(order: &mut Vec<usize>, i: usize) {
 /// 6, share median 1.47 against 1.66; a scraped queue is no such wait,
 /// and a metrics page reporting a million waiting took a spill without
 /// that). A single question only copies its document, and its spills
-/// went to busier replicas for nothing (long-preamble: twice the spills,
-/// warm p95 94 -> 227-508 ms on 2 of 3 seeds). By cost
-/// alone, 10 of 32 agent sessions on 16 replicas moved at their second
-/// turn (another session's cold first turn was in flight on their
-/// replica) to whichever was least busy that instant, and two replicas
-/// ended with three sessions each (share 1.65; dealt two each, the
-/// sessions' own lengths leave 1.37).
+/// went to busier replicas for nothing (long-preamble: twice the
+/// spills, warm p95 94 -> 227-515 ms on seed 1). By cost alone, 10 of
+/// 32 agent sessions on 16 replicas moved at their second turn (another
+/// session's cold first turn was in flight on their replica) to
+/// whichever was least busy that instant, and two replicas ended with
+/// three sessions each (share 1.65; dealt two each, the sessions' own
+/// lengths leave 1.37).
 /// Only with one gateway: with several, where a session goes is what every
 /// instance must compute alike.
 ///
