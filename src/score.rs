@@ -255,9 +255,9 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
             to_front(&mut order, pick);
         }
     }
-    let pressure = pressure(cands, &loads, p);
     let mut spilled_from = None;
     if reason == Reason::LoadSpill && !p.agree() {
+        let pressure = pressure(cands, &loads, p);
         if let Some((pick, holder)) = respill(cands, &pressure, &keeps, &order, ask, p) {
             to_front(&mut order, pick);
             spilled_from = Some(holder);
