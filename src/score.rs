@@ -457,11 +457,7 @@ fn respill(
     // Busier by work in flight only (a turn or two, which this instance
     // sees end): a scraped queue beyond the turn's own work is no choice.
     let w = &p.weights;
-    let calm = within
-        .iter()
-        .map(|&i| scraped(&cands[i], w))
-        .fold(f64::INFINITY, f64::min)
-        + own * per_block;
+    let calm = least_scraped(cands, keeps, w) + own * per_block;
     let pick = if recent(pick) < home || !ask.later_turn {
         pick
     } else {
@@ -488,12 +484,8 @@ fn token_holder(
 ) -> Option<usize> {
     let a = (0..cands.len()).find(|&i| cands[i].affinity && keeps[i])?;
     let w = &p.weights;
-    let least = (0..cands.len())
-        .filter(|&i| keeps[i])
-        .map(|i| scraped(&cands[i], w))
-        .fold(f64::INFINITY, f64::min);
     let saved = w.prefix * f64::from(blocks);
-    (scraped(&cands[a], w) - least <= saved).then_some(a)
+    (scraped(&cands[a], w) - least_scraped(cands, keeps, w) <= saved).then_some(a)
 }
 
 /// One request's constant in cost units: costs closer than this are ties.
@@ -650,6 +642,16 @@ fn scraped(c: &Candidate, w: &Weights) -> f64 {
     w.queue * c.waiting.max(0.0) as f64
         + w.kv * c.kv_usage.clamp(0.0, 1.0) as f64
         + c.lora.cost(w.lora)
+}
+
+/// The calmest scraped pressure among the replicas within the load bound.
+fn least_scraped(cands: &[Candidate], keeps: &[bool], w: &Weights) -> f64 {
+    cands
+        .iter()
+        .zip(keeps)
+        .filter(|&(_, &k)| k)
+        .map(|(c, _)| scraped(c, w))
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Whether each replica keeps the credit for what it holds: it is under
