@@ -3,7 +3,7 @@
 //! `traffic_balance`).
 //!
 //! New content goes to one of its two rendezvous candidates
-//! (`score::two_choices`), and with few keys (a dozen documents or system
+//! (`score::gateways::two_choices`), and with few keys (a dozen documents or system
 //! prompts in heavy use) rendezvous deals them out lumpily: on
 //! shared-prefix with 15 groups on 8 replicas, one replica was the home of
 //! three or four groups and two of none, and it stayed so for as long as
@@ -185,7 +185,7 @@ mod tests {
         let got = shed(&mut c, &hashed(k));
         assert_eq!((got.hot, got.withheld), (1, 1));
         assert_eq!(c[0].matched, 0);
-        // Not placed back there (see `score::two_choices`).
+        // Not placed back there (see `score::gateways::two_choices`).
         assert!(c[0].evicting);
         assert!(c[1..].iter().all(|c| !c.evicting && c.matched == 0));
         // Content nobody holds goes where it would have.

@@ -381,7 +381,7 @@ impl Router {
             stamped: held.stamped,
             work: self.params.work_of(blocks, held.blocks),
             matches,
-            // A spill moves what its replica held (`score::respill`).
+            // A spill moves what its replica held (`score::spill::respill`).
             home: depth
                 .home
                 .or_else(|| ranked.spilled_from.and_then(|i| cands.get(i)).map(|c| c.id)),
