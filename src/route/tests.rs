@@ -809,3 +809,54 @@ fn with_several_gateways_a_replica_over_its_traffic_share_sheds_some_groups() {
     let (_, moved) = after_a_hot_replica("");
     assert_eq!(moved, vec![]);
 }
+
+#[test]
+fn any_gateway_count_above_one_decides_alike() {
+    // Only one gateway against several changes a decision, so an
+    // autoscaled fleet keeps one config (README, `gateways`). Same
+    // requests, some left in flight so loads differ: the same picks at 2,
+    // 3 and 64 instances, and other picks with one, whether clients echo
+    // the affinity token or not. The scraped running requests differ:
+    // other instances' requests count (`others`).
+    use crate::metrics::ReplicaMetrics;
+    use crate::replicas::record_scrape;
+    let picks = |gateways: u32, echo: bool| {
+        let affinity =
+            r#","affinity":{"key":"0123456789abcdef0123456789abcdef","clients_echo":true}"#;
+        let extra = if echo { affinity } else { "" };
+        let r = router(&format!(
+            r#","cluster":"pool","gateways":{gateways}{extra}"#
+        ));
+        let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
+        let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
+        for (i, &id) in ids.iter().enumerate() {
+            let m = ReplicaMetrics {
+                running: [0.0, 3.0, 1.0, 5.0][i],
+                ..ReplicaMetrics::default()
+            };
+            record_scrape(&s, id, Ok(&m), &ids, 1000).unwrap();
+        }
+        (0..60)
+            .map(|step: usize| {
+                let body = if step.is_multiple_of(3) {
+                    doc(step % 7, step)
+                } else {
+                    chat(step % 5, 1 + step / 10)
+                };
+                let h = hashed(&r, &body);
+                let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+                r.commit(&s, &mut board, &c, &h, 1000);
+                if step.is_multiple_of(2) {
+                    board.finish(&s, r.endpoint(c.order[0]).unwrap().id(), c.work, 1000);
+                }
+                (c.order[0], c.reason)
+            })
+            .collect::<Vec<_>>()
+    };
+    for echo in [false, true] {
+        let several = picks(2, echo);
+        assert_eq!(picks(3, echo), several, "clients_echo {echo}");
+        assert_eq!(picks(64, echo), several, "clients_echo {echo}");
+        assert_ne!(picks(1, echo), several, "clients_echo {echo}");
+    }
+}
