@@ -67,6 +67,16 @@ impl Hashed {
         self.checkpoints.is_empty()
     }
 
+    /// The hash of the prefix of `blocks` blocks, if a checkpoint ends
+    /// there (what an index match names).
+    pub(super) fn checkpoint_at(&self, blocks: u32) -> Option<u64> {
+        self.checkpoints
+            .binary_search_by_key(&blocks, |c| c.blocks)
+            .ok()
+            .and_then(|i| self.checkpoints.get(i))
+            .map(|c| c.hash)
+    }
+
     /// The placement key of a request: the hash at its first checkpoint
     /// no replica holds (the whole prompt's if every one is held). Content
     /// below a shared trunk is keyed by where it diverges, not by the trunk,
@@ -89,16 +99,6 @@ impl Hashed {
     ///
     /// With instances that must agree, a request with a preamble is keyed
     /// no higher than where its own part starts (`lead_floor`).
-    /// The hash of the prefix of `blocks` blocks, if a checkpoint ends
-    /// there (what an index match names).
-    pub(super) fn checkpoint_at(&self, blocks: u32) -> Option<u64> {
-        self.checkpoints
-            .binary_search_by_key(&blocks, |c| c.blocks)
-            .ok()
-            .and_then(|i| self.checkpoints.get(i))
-            .map(|c| c.hash)
-    }
-
     pub(super) fn placement(&self, held: u32) -> u64 {
         self.checkpoints
             .iter()
