@@ -65,16 +65,28 @@ pub(super) struct InputItem<'a> {
     pub output: Option<Text<'a>>,
 }
 
+/// What one body's lists may hold, in units: a message, input item or
+/// content part costs [`STRUCTURED`], a prompt element or token id one.
+/// So at most 65,536 of the former (3.4 MB on wasm32) or 1,048,576 token
+/// ids (more than any context window; 16 MB). A body over it is a parse
+/// error (routed by load alone, like any other), where a 16 MiB body of
+/// `{},` grew a worker's memory by 650 MB.
+pub(super) const KEPT_UNITS: u32 = 1 << 20;
+
+/// A structured list item's units: its size on wasm32 (32-52 bytes) over
+/// a token id's (16).
+pub(super) const STRUCTURED: u32 = 16;
+
 /// Reads a whole body.
 pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
-    let mut r = Reader::new(body);
+    let mut r = Reader::with_budget(body, KEPT_UNITS);
     let mut b = Body::default();
     r.object(|r, key| {
         match &*key.key(r.at())? {
             b"model" => b.model = nullable(r, name)?,
             b"cache_salt" => b.cache_salt = nullable(r, name)?,
             b"prompt" => b.prompt = nullable(r, prompt)?,
-            b"messages" => b.messages = nullable(r, |r| list(r, message))?,
+            b"messages" => b.messages = nullable(r, |r| list(r, STRUCTURED, message))?,
             b"tools" => b.tools = nullable(r, Reader::skip)?,
             b"functions" => b.functions = nullable(r, Reader::skip)?,
             b"instructions" => b.instructions = nullable(r, text)?,
@@ -100,12 +112,16 @@ fn nullable<'a, T>(
     f(r).map(Some)
 }
 
+/// An array's items as `f` reads them, each worth `units` of the body's
+/// budget.
 fn list<'a, T>(
     r: &mut Reader<'a>,
+    units: u32,
     mut f: impl FnMut(&mut Reader<'a>) -> Result<T, JsonError>,
 ) -> Result<Vec<T>, JsonError> {
     let mut out = Vec::new();
     r.array(|r| {
+        r.keep(units)?;
         out.push(f(r)?);
         Ok(())
     })?;
@@ -145,7 +161,7 @@ fn content<'a>(r: &mut Reader<'a>) -> Result<Content<'a>, JsonError> {
     match r.peek() {
         Some(b'"') => text(r).map(Content::Text),
         Some(b'[') => {
-            let parts = list(r, part)?;
+            let parts = list(r, STRUCTURED, part)?;
             Ok(Content::Parts(parts.into_iter().flatten().collect()))
         }
         _ => Err(r.error("a string or an array of content parts")),
@@ -169,7 +185,7 @@ fn part<'a>(r: &mut Reader<'a>) -> Result<Option<Text<'a>>, JsonError> {
 fn input<'a>(r: &mut Reader<'a>) -> Result<InputField<'a>, JsonError> {
     match r.peek() {
         Some(b'"') => text(r).map(InputField::Text),
-        Some(b'[') => list(r, input_item).map(InputField::Items),
+        Some(b'[') => list(r, STRUCTURED, input_item).map(InputField::Items),
         _ => Err(r.error("a string or an array of input items")),
     }
 }
@@ -210,7 +226,7 @@ fn prompt<'a>(r: &mut Reader<'a>) -> Result<PromptField<'a>, JsonError> {
         Some(b'"') => text(r).map(PromptField::Text),
         Some(b'[') => {
             let at = r.at();
-            let items = list(r, element)?;
+            let items = list(r, 1, element)?;
             of_one_kind(items).ok_or(JsonError {
                 at,
                 expected: "a prompt array of one kind",
@@ -223,7 +239,7 @@ fn prompt<'a>(r: &mut Reader<'a>) -> Result<PromptField<'a>, JsonError> {
 fn element<'a>(r: &mut Reader<'a>) -> Result<Element<'a>, JsonError> {
     match r.peek() {
         Some(b'"') => text(r).map(Element::Text),
-        Some(b'[') => list(r, Reader::int).map(Element::Tokens),
+        Some(b'[') => list(r, 1, Reader::int).map(Element::Tokens),
         _ => r.int().map(Element::Token),
     }
 }

@@ -93,11 +93,39 @@ impl<'a> Str<'a> {
 pub(super) struct Reader<'a> {
     b: &'a [u8],
     at: usize,
+    /// Units its caller may still keep (`keep`).
+    left: u32,
 }
 
 impl<'a> Reader<'a> {
     pub(super) fn new(b: &'a [u8]) -> Self {
-        Reader { b, at: 0 }
+        Reader {
+            b,
+            at: 0,
+            left: u32::MAX,
+        }
+    }
+
+    /// A reader whose caller keeps at most `units` (see `keep`).
+    pub(super) fn with_budget(b: &'a [u8], units: u32) -> Self {
+        Reader {
+            left: units,
+            ..Reader::new(b)
+        }
+    }
+
+    /// The caller keeps one more value, worth `units`: an error once the
+    /// budget is spent. The reader allocates nothing itself, but what its
+    /// caller collects can be 10-20 times the JSON's bytes (`{}` is three
+    /// bytes and a whole message), so a body of empty objects grew each
+    /// worker's memory by hundreds of MB, for good (wasm memory never
+    /// shrinks).
+    pub(super) fn keep(&mut self, units: u32) -> Result<(), JsonError> {
+        self.left = self
+            .left
+            .checked_sub(units)
+            .ok_or_else(|| self.error("fewer array items (see request::body::KEPT_UNITS)"))?;
+        Ok(())
     }
 
     /// Where the reader is, in bytes (for errors).

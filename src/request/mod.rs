@@ -617,6 +617,30 @@ mod tests {
     }
 
     #[test]
+    fn what_a_body_keeps_is_bounded_whatever_its_items() {
+        use body::{KEPT_UNITS, STRUCTURED};
+        let items = |n: u32, item: &str| vec![item; n as usize].join(",");
+        let most = KEPT_UNITS / STRUCTURED;
+        // Empty objects: three bytes each, a whole item each kept.
+        for field in ["input", "messages"] {
+            let ok = format!(r#"{{"{field}":[{}]}}"#, items(most, "{}"));
+            assert!(extract(ok.as_bytes(), 100).is_ok(), "{field}");
+            let over = format!(r#"{{"{field}":[{}]}}"#, items(most + 1, "{}"));
+            let e = extract(over.as_bytes(), 100).unwrap_err();
+            assert!(e.to_string().contains("fewer array items"), "{e}");
+        }
+        // Content parts count with their messages.
+        let parts = format!(r#"{{"content":[{}]}}"#, items(most / 2, "{}"));
+        let body = format!(r#"{{"messages":[{parts},{parts}]}}"#);
+        assert!(extract(body.as_bytes(), 100).is_err());
+        // A prompt of a million token ids (more than any context) is read.
+        let toks = format!(r#"{{"prompt":[{}]}}"#, items(KEPT_UNITS, "7"));
+        assert_eq!(extract(toks.as_bytes(), 4).unwrap().text, b"7 7 ");
+        let toks = format!(r#"{{"prompt":[{}]}}"#, items(KEPT_UNITS + 1, "7"));
+        assert!(extract(toks.as_bytes(), 4).is_err());
+    }
+
+    #[test]
     fn long_model_names_are_cut_on_char_boundaries() {
         let body = format!(r#"{{"model":"{}","prompt":"x"}}"#, "é".repeat(200));
         let p = extract(body.as_bytes(), 10).unwrap();
