@@ -13,11 +13,11 @@ use thiserror::Error;
 
 use crate::config::MAX_ENDPOINTS;
 use crate::endpoint::Endpoint;
-use crate::store::{self, Store, Writer};
+use crate::store::{self, shared_key, Store, Writer};
 
-const KEY: &str = "prefix-router/discovered";
+const KEY: &str = shared_key!("discovered");
 /// The published set's (unversioned before).
-const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 1;
 
 #[derive(Debug, Error)]
 pub enum DiscoveryError {

@@ -3,7 +3,7 @@
 //! worker learned.
 //!
 //! Layout: a set-associative hash table of `buckets` keys
-//! (`prefix-router/idx/<n>`), each holding up to `WAYS` entries; an entry is
+//! (`prefix-router/<records>/idx/<n>`, see `store::shared_key`), each holding up to `WAYS` entries; an entry is
 //! a block hash and up to `REPLICAS_PER_ENTRY` (replica, last-seen second)
 //! pairs. Shared-data keys can't be deleted, so the key space is fixed by
 //! config: at most `capacity` entries, evicted least-recently-seen first
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
 use crate::prefix::Checkpoint;
-use crate::store::{self, update, Store, StoreError, Writer};
+use crate::store::{self, shared_key, update, Store, StoreError, Writer};
 
 pub const WAYS: usize = 8;
 pub const REPLICAS_PER_ENTRY: usize = 4;
@@ -27,7 +27,7 @@ pub const REPLICAS_PER_ENTRY: usize = 4;
 pub const ENTRY_BYTES: usize = 8 + 8 + 1 + 1 + REPLICAS_PER_ENTRY * 12;
 /// 2: entries carry what followed them (`child`, `forked`); 3: the
 /// common record envelope (`store::Writer`).
-const VERSION: u8 = 3;
+pub(crate) const VERSION: u8 = 3;
 /// A held prefix is re-stamped at most this often, so hot entries stay
 /// young (not evicted) without a write per request.
 const REFRESH_S: u32 = 5;
@@ -208,7 +208,10 @@ impl PrefixIndex {
         // Bucket from the high bits too: cheap insurance against any
         // structure in the low bits of the checkpoint hashes.
         let mixed = hash ^ (hash >> 29) ^ (hash >> 47);
-        format!("prefix-router/idx/{}", mixed % self.buckets as u64)
+        format!(
+            concat!(shared_key!("idx/"), "{}"),
+            mixed % self.buckets as u64
+        )
     }
 
     fn probe<S: Store + ?Sized>(&self, store: &S, hash: u64) -> Option<Entry> {
@@ -625,7 +628,7 @@ mod tests {
         let entries: usize = (0..idx.capacity() / WAYS)
             .map(|b| {
                 decode(
-                    &s.get(&format!("prefix-router/idx/{b}"))
+                    &s.get(&format!(concat!(shared_key!("idx/"), "{}"), b))
                         .0
                         .unwrap_or_default(),
                 )

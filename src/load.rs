@@ -1,6 +1,6 @@
 //! In-flight work per replica, counted across all Envoy workers.
 //!
-//! Each worker VM owns one slot key (`prefix-router/load/<n>`) and is its
+//! Each worker VM owns one slot key (`prefix-router/<records>/load/<n>`) and is its
 //! only writer, so counting never contends; readers sum the fresh slots.
 //! A slot carries a heartbeat: when a VM dies (or is reloaded) its counts
 //! stop being fresh and drop out of the sum, so a crashed worker can't leak
@@ -10,17 +10,17 @@ use std::collections::BTreeMap;
 use std::collections::HashMap;
 
 use crate::endpoint::ReplicaId;
-use crate::store::{self, get_existing, update, Store, Writer};
+use crate::store::{self, get_existing, shared_key, update, Store, Writer};
 
 /// 2: placed content; 3: the common record envelope (`store::Writer`);
 /// 4: placed branches; 5: blocks sent; 6: branches withdrawn.
-const VERSION: u8 = 6;
+pub(crate) const VERSION: u8 = 6;
 /// The slot counter's (unversioned before: a bare u32).
-const COUNT_VERSION: u8 = 1;
+pub(crate) const COUNT_VERSION: u8 = 1;
 /// Placed-content estimates halve this often: roughly how long a model
 /// server keeps an unused prefix before other traffic evicts it.
 pub const PLACED_HALF_LIFE_MS: u64 = 60_000;
-const SLOTS_KEY: &str = "prefix-router/load/slots";
+const SLOTS_KEY: &str = shared_key!("load/slots");
 /// Bound on slot keys: more VMs than this share no counts (logged).
 pub const MAX_SLOTS: u32 = 256;
 
@@ -85,7 +85,7 @@ struct Slot {
 }
 
 fn slot_key(i: u32) -> String {
-    format!("prefix-router/load/{i}")
+    format!(concat!(shared_key!("load/"), "{}"), i)
 }
 
 fn encode(s: &Slot) -> Vec<u8> {

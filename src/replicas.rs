@@ -9,17 +9,17 @@ use std::collections::HashSet;
 
 use crate::endpoint::ReplicaId;
 use crate::metrics::{CacheCounters, ReplicaMetrics, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
-use crate::store::{self, get_existing, Reader, Store, StoreError, Writer};
+use crate::store::{self, get_existing, shared_key, Reader, Store, StoreError, Writer};
 
-const TABLE_KEY: &str = "prefix-router/replicas";
-const LEASE_KEY: &str = "prefix-router/scrape-lease";
+const TABLE_KEY: &str = shared_key!("replicas");
+const LEASE_KEY: &str = shared_key!("scrape-lease");
 /// 2: each row framed by its own length, so one unreadable row costs only
 /// itself; 3: the common record envelope (`store::Writer`); 4: the prefix
 /// cache's measured hit rate. Tables of another version read as absent and
 /// are rewritten.
-const VERSION: u8 = 4;
+pub(crate) const VERSION: u8 = 4;
 /// The scraper lease's (unversioned before: two bare u64s).
-const LEASE_VERSION: u8 = 1;
+pub(crate) const LEASE_VERSION: u8 = 1;
 /// Bounds on what a record may carry (and a decoder will accept).
 pub const MAX_ROWS: usize = 4096;
 /// Largest queue/running count a row holds. Far above any real replica,

@@ -46,6 +46,11 @@ impl MemStore {
         self.len() == 0
     }
 
+    /// Every key written, for tests of the key space.
+    pub fn keys(&self) -> Vec<String> {
+        self.inner.borrow().keys().cloned().collect()
+    }
+
     pub fn bytes(&self) -> usize {
         self.inner
             .borrow()
@@ -76,6 +81,29 @@ impl Store for MemStore {
         Ok(())
     }
 }
+
+/// A shared-data key: `prefix-router/<records>/<name>`, where `<records>`
+/// names the version of every record this build writes (index, load
+/// slots, slot counter, replica table, scraper lease, discovered pool).
+///
+/// Envoy keys shared data by `vm_id` alone, and every shipped config uses
+/// one (`prefix-router`), so during a rollout the draining release's VMs
+/// and the new one's share a map. A record of another version reads as
+/// absent, which is safe for one read but not for a rollout: the old VMs
+/// kept renewing the scraper lease and rewriting the replica table in
+/// their format, and the new ones, reading no table, found no discovered
+/// replica eligible and answered 503 until the old ones went. Releases
+/// whose records differ now use disjoint keys (each has its own lease,
+/// table and index; the old keys stay, bounded, until Envoy restarts);
+/// releases with the same records share them, warm index included.
+/// `store::tests::the_key_space_names_every_record_version` fails when a
+/// version changes and this doesn't.
+macro_rules! shared_key {
+    ($name:literal) => {
+        concat!("prefix-router/i3l6c1r4s1d1/", $name)
+    };
+}
+pub(crate) use shared_key;
 
 /// Read-modify-write with bounded CAS retries. `f` returns the new value,
 /// or `None` to leave the key as it is. Returns the number of retries used,
@@ -131,10 +159,10 @@ pub fn get_existing<S: Store + ?Sized>(
 /// the payload written by `Writer` and read by `Reader`: little-endian
 /// fixed-width fields, and byte strings framed like the payload itself.
 ///
-/// A record of another version (a filter of another release sharing the
-/// VM id during a rollout, or an old format), a truncated one or one with
-/// trailing bytes opens as `None`: every reader takes that as "absent",
-/// never as data.
+/// A record of another version (an old format; a release with other
+/// records no longer shares keys, see `shared_key`), a truncated one or
+/// one with trailing bytes opens as `None`: every reader takes that as
+/// "absent", never as data.
 pub const HEADER_BYTES: usize = 5;
 
 /// Builds one record: `new(version)`, the fields, then `finish`.
@@ -296,6 +324,22 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_key_space_names_every_record_version() {
+        // A release that changes a record must not share keys with one
+        // that doesn't (see `shared_key`): bump the name with the version.
+        let records = format!(
+            "i{}l{}c{}r{}s{}d{}",
+            crate::index::VERSION,
+            crate::load::VERSION,
+            crate::load::COUNT_VERSION,
+            crate::replicas::VERSION,
+            crate::replicas::LEASE_VERSION,
+            crate::discovery::VERSION,
+        );
+        assert_eq!(shared_key!(""), format!("prefix-router/{records}/"));
+    }
 
     #[test]
     fn cas_mismatch_when_a_peer_wrote_first() {

@@ -811,6 +811,42 @@ fn with_several_gateways_a_replica_over_its_traffic_share_sheds_some_groups() {
 }
 
 #[test]
+fn every_shared_data_key_is_in_this_builds_key_space() {
+    // Routing, scraping, the scraper lease and discovery all write under
+    // `store::shared_key`, so a release with other records never reads or
+    // contends for them during a rollout.
+    use crate::metrics::ReplicaMetrics;
+    use crate::replicas::{acquire_lease, record_scrape};
+    let r = router(r#","cluster":"pool""#);
+    let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
+    let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
+    acquire_lease(&s, 1, 1000, 500);
+    acquire_lease(&s, 1, 1000, 500);
+    record_scrape(&s, ids[0], Ok(&ReplicaMetrics::default()), &ids, 1000).unwrap();
+    discovery::publish(&s, &r.config.static_endpoints);
+    for q in 0..4 {
+        run(&r, &s, &mut board, &doc(q, 0));
+    }
+    let keys = s.keys();
+    let ours = crate::store::shared_key!("");
+    assert!(keys.iter().all(|k| k.starts_with(ours)), "{keys:?}");
+    for kind in [
+        "idx/",
+        "load/slots",
+        "load/0",
+        "replicas",
+        "scrape-lease",
+        "discovered",
+    ] {
+        let of_kind = format!("{ours}{kind}");
+        assert!(
+            keys.iter().any(|k| k.starts_with(&of_kind)),
+            "{kind}: {keys:?}"
+        );
+    }
+}
+
+#[test]
 fn any_gateway_count_above_one_decides_alike() {
     // Only one gateway against several changes a decision, so an
     // autoscaled fleet keeps one config (README, `gateways`). Same
