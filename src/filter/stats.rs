@@ -2,7 +2,7 @@
 //! stat across all VMs of the process, so counters and gauge increments
 //! from every worker add up (that's what makes the in-flight gauge exact).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use proxy_wasm::types::MetricType;
 
@@ -197,6 +197,28 @@ impl Stats {
                 r.expected_shown = Some(pct);
             }
         }
+        self.forget_departed(m, endpoints);
+    }
+
+    /// Replicas that left the pool: their gauges go to 0 (Envoy can't
+    /// delete a stat, and a gone replica's last in-flight count would
+    /// stay on the dashboards), and this VM forgets them, so its map is
+    /// as large as the pool, not as every address it has seen (pods come
+    /// and go with each rollout and scale-up). Defined again if they
+    /// return: the same name is the same Envoy stat.
+    fn forget_departed<M: Metrics + ?Sized>(&mut self, m: &M, endpoints: &[Endpoint]) {
+        if self.replicas.len() <= endpoints.len() {
+            return;
+        }
+        let current: HashSet<ReplicaId> = endpoints.iter().map(Endpoint::id).collect();
+        self.replicas.retain(|id, r| {
+            let stays = current.contains(id);
+            if !stays {
+                r.inflight.record(m, 0);
+                r.expected.record(m, 0);
+            }
+            stays
+        });
     }
 
     /// Per-replica stats, defined on first use for discovered replicas.

@@ -545,3 +545,30 @@ fn shadow_mode_routes_with_the_baseline_and_counts_both() {
     );
     assert_eq!(fake.stat("requests_total"), 8);
 }
+
+#[test]
+fn a_replica_that_leaves_the_pool_shows_nothing_in_flight_and_is_forgotten() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let eps = w.borrow().router.endpoints().to_vec();
+    let busy = HashMap::from([(
+        eps[0].id(),
+        load::Load {
+            requests: 3,
+            ..load::Load::default()
+        },
+    )]);
+    let gauge = format!("replica.{}.inflight", eps[0].stat_label());
+    let mut wk = w.borrow_mut();
+    wk.stats.show_load(&fake, &eps, &busy);
+    assert_eq!(fake.stat(&gauge), 3);
+    // The pool loses its first replica (a pod replaced): its gauge reads
+    // 0, not its last count, and this VM keeps stats for the pool only.
+    wk.stats.show_load(&fake, &eps[1..], &busy);
+    assert_eq!(fake.stat(&gauge), 0);
+    assert_eq!(wk.stats.replicas.len(), eps.len() - 1);
+    // Back again: the same stat, shown again.
+    wk.stats.show_load(&fake, &eps, &busy);
+    assert_eq!(fake.stat(&gauge), 3);
+    assert_eq!(wk.stats.replicas.len(), eps.len());
+}

@@ -37,6 +37,19 @@ struct ReplicaGauges {
 }
 
 impl ReplicaGauges {
+    /// A replica that left the pool shows no load.
+    fn zero(&self) {
+        for g in [
+            self.waiting,
+            self.running,
+            self.kv_percent,
+            self.hit_percent,
+            self.traffic_share,
+        ] {
+            g.record(&Envoy, 0);
+        }
+    }
+
     fn define(ep: &Endpoint) -> ReplicaGauges {
         let l = ep.stat_label();
         let m =
@@ -354,6 +367,14 @@ impl Scraper {
         }
         let known: HashSet<ReplicaId> = router.endpoints().iter().map(|e| e.id()).collect();
         self.table.retain(&known);
+        // As `Stats::forget_departed`: 0, and forgotten.
+        self.gauges.retain(|id, g| {
+            let stays = known.contains(id);
+            if !stays {
+                g.zero();
+            }
+            stays
+        });
         match self.table.publish(&SharedData) {
             Ok(()) => self.dirty = false,
             Err(e) => {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import Envoy, backends, completion, free_port, render_config, request, vllm_metrics
+from harness import Envoy, backends, completion, free_port, render_config, request, stat_label, vllm_metrics
 
 
 def eds(path: Path, addrs: list[str]):
@@ -90,7 +90,7 @@ def served_by(port: int, n: int) -> Counter:
 
 
 def test_pool_follows_envoys_hosts(tmp_path):
-    with backends(3, metrics=vllm_metrics()) as (a, b, c):
+    with backends(3, metrics=vllm_metrics(running=2, kv=0.3)) as (a, b, c):
         path = tmp_path / "eds.yaml"
         eds(path, [a.addr, b.addr])
         plugin = {
@@ -106,6 +106,8 @@ def test_pool_follows_envoys_hosts(tmp_path):
             time.sleep(0.5)
             first = served_by(envoy.port, 40)
             assert set(first) == {str(a.port), str(b.port)}, first
+            gone = f"prefix_router.replica.{stat_label(a.addr)}"
+            assert (envoy.stat(f"{gone}.running"), envoy.stat(f"{gone}.kv_usage_percent")) == (2, 30)
             # The pool changes in Envoy: a leaves, c joins.
             eds(path, [b.addr, c.addr])
             deadline = time.time() + 10
@@ -119,6 +121,9 @@ def test_pool_follows_envoys_hosts(tmp_path):
             assert set(served_by(envoy.port, 40)) == {str(b.port), str(c.port)}
             assert a.count == a_before
             assert envoy.stat("prefix_router.discovery.failures") == 0
+            # A replica that left shows no load (Envoy keeps the stat).
+            for g in ["running", "kv_usage_percent", "inflight"]:
+                assert envoy.stat(f"{gone}.{g}") == 0, g
 
 
 def test_bad_admin_cluster_is_counted_and_traffic_still_flows_to_the_static_list(tmp_path):
