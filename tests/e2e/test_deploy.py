@@ -563,8 +563,13 @@ def test_istio_filter_config_points_at_the_pool_and_needs_istio_1_27():
         labels = ef["spec"]["workloadSelector"]["labels"]
         assert labels == {"gateway.networking.k8s.io/gateway-name": gateway["metadata"]["name"]}
         for p in ef["spec"]["configPatches"]:
-            if "listener" in p["match"]:
-                assert p["match"]["listener"]["portNumber"] in ports
+            listener = p["match"].get("listener", {})
+            if p["patch"]["value"].get("name") == "prefix-router-strip-destination":
+                # Every listener: the pool's cluster obeys the header
+                # whichever listener a request came in on.
+                assert "portNumber" not in listener
+            elif listener:
+                assert listener["portNumber"] in ports
     # The HTTPRoute sends traffic to the Service whose cluster is patched.
     route = next(d for d in istio_docs("gateway.yaml") if d["kind"] == "HTTPRoute")
     backend = route["spec"]["rules"][0]["backendRefs"][0]
@@ -591,7 +596,23 @@ def merge(dst: dict, src: dict):
             dst[k] = copy.deepcopy(v)
 
 
-def istio_gateway(pool: list[str], listen_port: int, admin_port: int, locality: bool = False) -> dict:
+def istio_gateway(
+    pool: list[str], listen_port: int, admin_port: int, locality: bool = False, second_port: int | None = None
+) -> dict:
+    """What Istio generates for the gateway (see above); with `second_port`,
+    a second listener (Istio's port 443, on `second_port` here) whose route
+    also goes to the pool."""
+    cfg = istio_gateway_80(pool, listen_port, admin_port, locality)
+    if second_port is not None:
+        second = copy.deepcopy(cfg["static_resources"]["listeners"][0])
+        second["name"] = "0.0.0.0_443"
+        second["address"]["socket_address"]["port_value"] = second_port
+        hcm(second)["stat_prefix"] = "outbound_0.0.0.0_443"
+        cfg["static_resources"]["listeners"].append(second)
+    return cfg
+
+
+def istio_gateway_80(pool: list[str], listen_port: int, admin_port: int, locality: bool) -> dict:
     cluster = {
         "name": ISTIO_POOL_CLUSTER,
         "type": "STATIC",  # EDS in Istio
@@ -663,6 +684,14 @@ def apply_envoyfilter(cfg: dict, ef: dict, listener_port: int = 80, proxy_versio
     is on `listener_port`. Returns what was applied."""
     applied = []
     res = cfg["static_resources"]
+
+    def matching(listener_match: dict) -> list[dict]:
+        # The first listener is the inference one, on `listener_port`;
+        # others are named for their port, as Istio names them.
+        ports = [listener_port] + [int(l["name"].rsplit("_", 1)[1]) for l in res["listeners"][1:]]
+        want = listener_match.get("portNumber")
+        return [l for l, port in zip(res["listeners"], ports) if want in (None, port)]
+
     for p in ef["spec"]["configPatches"]:
         kind, op, value, match = p["applyTo"], p["patch"]["operation"], p["patch"]["value"], p["match"]
         wanted = match.get("proxy", {}).get("proxyVersion")
@@ -678,17 +707,13 @@ def apply_envoyfilter(cfg: dict, ef: dict, listener_port: int = 80, proxy_versio
                     applied.append(f"merge cluster {c['name']}")
         elif kind == "HTTP_FILTER" and op == "INSERT_BEFORE":
             lm = match["listener"]
-            if lm.get("portNumber", listener_port) != listener_port:
-                continue
-            for listener in res["listeners"]:
+            for listener in matching(lm):
                 filters = hcm(listener)["http_filters"]
                 before = [f["name"] for f in filters].index(lm["filterChain"]["filter"]["subFilter"]["name"])
                 filters.insert(before, copy.deepcopy(value))
                 applied.append(f"insert {value['name']}")
         elif kind == "LISTENER" and op == "MERGE":
-            if match["listener"].get("portNumber", listener_port) != listener_port:
-                continue
-            for listener in res["listeners"]:
+            for listener in matching(match["listener"]):
                 merge(listener, value)
                 applied.append(f"merge listener {listener['name']}")
         else:
@@ -707,11 +732,12 @@ def assembled(
     admin_port: int,
     locality: bool = False,
     buffer_limits: bool = True,
+    second_port: int | None = None,
 ) -> dict:
     """The gateway's Envoy config after istiod applied pool-override-host.yaml
     and prefix-router-<variant>.yaml (without the buffer-limit patches if
     `buffer_limits` is false)."""
-    cfg = istio_gateway(pool, listen_port, admin_port, locality)
+    cfg = istio_gateway(pool, listen_port, admin_port, locality, second_port)
     for ef in envoyfilters("pool-override-host.yaml", f"prefix-router-{variant}.yaml"):
         if not buffer_limits:
             ef = copy.deepcopy(ef)
@@ -805,9 +831,12 @@ def test_istio_listener_patches_match_only_the_inference_port():
         applied = []
         for ef in envoyfilters("pool-override-host.yaml", f"prefix-router-{variant}.yaml"):
             applied += apply_envoyfilter(cfg, ef, listener_port=8080)
-        assert not [a for a in applied if "listener" in a or a.startswith("insert")], applied
+        assert not [a for a in applied if "listener" in a], applied
+        assert [a for a in applied if a.startswith("insert")] == ["insert prefix-router-strip-destination"]
         listener = cfg["static_resources"]["listeners"][0]
-        assert [f["name"] for f in hcm(listener)["http_filters"]] == ["envoy.filters.http.router"]
+        # Only the strip, which goes on every listener.
+        names = [f["name"] for f in hcm(listener)["http_filters"]]
+        assert names == ["prefix-router-strip-destination", "envoy.filters.http.router"]
         assert "per_connection_buffer_limit_bytes" not in listener
 
 
@@ -893,6 +922,34 @@ def test_istio_assembly_fetches_the_module_discovers_the_pool_and_routes():
             assert envoy.stat("prefix_router.decision.prefix_hit") >= 7
 
 
+def test_istio_a_client_of_another_listener_cannot_pick_the_replica():
+    """The pool's cluster obeys the destination header whichever listener a
+    request came in on, so the strip is on every listener of the gateway: a
+    client of a second listener routing to the pool (no filter there) that
+    names a replica gets the fallback balancing, and the header never
+    reaches a replica. (With the strip on port 80 only, every such request
+    went to the replica the client named.)"""
+    with backends(3, metrics=vllm_metrics()) as bs:
+        admin_port, second_port = free_port(), free_port()
+        cfg = on_loopback(
+            assembled("configmap", [b.addr for b in bs], free_port(), admin_port, second_port=second_port), admin_port
+        )
+        second = listeners(cfg)["0.0.0.0_443"]
+        assert [f["name"] for f in hcm(second)["http_filters"]] == [
+            "prefix-router-strip-destination",
+            "envoy.filters.http.router",
+        ]
+        with Envoy(cfg):
+            named = bs[0].addr
+            for i in range(30):
+                status, _, _ = request(second_port, body=completion(f"other listener {i}"), headers=[(HEADER, named)])
+                assert status == 200
+            seen = [(b, r) for b in bs for r in b.requests if r["path"] == "/v1/completions"]
+            assert len(seen) == 30
+            assert not any(r["dest"] for _, r in seen), [r["dest"] for _, r in seen]
+            assert len({b.addr for b, _ in seen}) > 1
+
+
 # --------------------------------------------------------------------------
 # Dashboard, Prometheus configuration and alerts
 
@@ -919,6 +976,10 @@ VLLM_HISTOGRAMS = {
     "vllm:inter_token_latency_seconds",
 }
 VLLM_NAMES = VLLM_METRICS | {h + s for h in VLLM_HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+# Istio's standard request metric, which its gateways export by default
+# (Envoy's `http.*` listener stats they don't): the traffic an Istio
+# gateway sends the pool, for PrefixRouterNotRouting.
+ISTIO_NAMES = {"istio_requests_total"}
 
 PROMQL_KEYWORDS = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
@@ -1066,7 +1127,7 @@ def test_prometheus_relabelling_matches_envoys_own_replica_tag(emitted):
 def known_names(emitted) -> set[str]:
     rules = scrape_jobs()["prefix-router-envoy"]["metric_relabel_configs"]
     envoy = {n for n, _ in normalized(emitted["dev"], rules)} | {n for n, _ in emitted["production"]}
-    return envoy | VLLM_NAMES
+    return envoy | VLLM_NAMES | ISTIO_NAMES
 
 
 def unknown_names(exprs: list[str], known: set[str]) -> dict[str, set[str]]:

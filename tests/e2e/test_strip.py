@@ -176,8 +176,10 @@ def test_both_cluster_modes_are_shipped():
 @pytest.mark.parametrize("variant", ["remote", "configmap"])
 def test_every_istio_gateway_strips_before_the_wasm_filter(variant):
     """The EnvoyFilters as istiod applies them, and as written: the strip
-    patch comes first and matches exactly what the filter patch matches (a
-    port or version edited in one only would leave the filter unguarded)."""
+    patch comes first and matches what the filter patch matches, on every
+    listener rather than the filter's port (a version edited in one only
+    would leave the filter unguarded; another listener routing to the pool
+    would let its clients name the replica)."""
     cfg = assembled(variant, ["10.8.0.11:8000"], 8080, 15000)
     assert strip_problems(cfg) == []
     (ef,) = envoyfilters(f"prefix-router-{variant}.yaml")
@@ -186,7 +188,9 @@ def test_every_istio_gateway_strips_before_the_wasm_filter(variant):
     strips = [i for i, p in enumerate(http) if HEADER in stripped_headers(p["patch"]["value"])]
     assert len(wasm) == 1 and strips and max(strips) < wasm[0]
     for i in strips:
-        assert http[i]["match"] == http[wasm[0]]["match"]
+        strip, filt = http[i]["match"], copy.deepcopy(http[wasm[0]]["match"])
+        assert filt["listener"].pop("portNumber")
+        assert strip == filt
         assert http[i]["patch"]["operation"] == http[wasm[0]]["patch"]["operation"] == "INSERT_BEFORE"
 
 
