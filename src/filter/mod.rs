@@ -23,7 +23,7 @@ use crate::config::{Affinity, Config, Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
 use crate::index::RecordStats;
-use crate::load::LoadBoard;
+use crate::load::{LoadBoard, Start};
 use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
 use crate::score::Reason;
 use crate::store::Store;
@@ -52,6 +52,10 @@ pub trait Host: Metrics {
     fn request_headers(&self) -> Pairs;
     /// Remove every copy of a header.
     fn remove_header(&self, map: Map, name: &str) -> Result<(), u32>;
+    /// The response's `:status`, in the response headers callback.
+    fn response_status(&self) -> Option<u16>;
+    /// The upstream host that answered (`ip:port`), once there is one.
+    fn upstream_address(&self) -> Option<String>;
     /// Set a header to one value, replacing every copy.
     fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
     /// Up to `max` bytes of the buffered request body; `None` when the
@@ -191,7 +195,11 @@ impl HttpFilter {
         if let Some(d) = &self.debug {
             let _ = h.replace_header(Map::Response, DEBUG_HEADER, d);
         }
-        if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
+        self.follow_the_upstream(h);
+        // A failed response (an upstream 5xx, or Envoy's own 503 or 504
+        // once retries ran out) names no replica to come back to.
+        let served = h.response_status().is_some_and(|s| s < 500);
+        if let (Some(routed), Some(w), true) = (self.routed, &self.worker, served) {
             let w = w.borrow();
             if let Some(a) = &w.router.config.affinity {
                 // The session's replica, for the client to send back to
@@ -201,6 +209,39 @@ impl HttpFilter {
             }
         }
         Action::Continue
+    }
+
+    /// Envoy may have served the request elsewhere than the pick: the
+    /// header's next address after a refused connection, a reset or a
+    /// retried 503, or the fallback policy. The request's work in flight
+    /// moves to the replica that answered, and the affinity token names it
+    /// (a token naming the pick sent the session back to the replica that
+    /// had just failed it). The index keeps crediting the pick with the
+    /// prompt: not undone here.
+    fn follow_the_upstream<H: Host>(&mut self, h: &H) {
+        let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
+            return;
+        };
+        let Some(addr) = h.upstream_address() else {
+            return;
+        };
+        let Ok(served) = addr.parse::<crate::endpoint::Endpoint>() else {
+            return;
+        };
+        let mut w = w.borrow_mut();
+        let known = w.router.endpoints().iter().any(|e| e.id() == served.id());
+        if served.id() == routed.replica || !known {
+            return;
+        }
+        let now = h.now_ms();
+        w.board.finish(h.store(), routed.replica, routed.work, now);
+        let moved = Start {
+            work: routed.work,
+            ..Start::default()
+        };
+        w.board.start(h.store(), served.id(), moved, now);
+        w.stats.served_elsewhere.inc(h);
+        routed.replica = served.id();
     }
 
     /// Runs once per stream however it ended (done, reset, error), so

@@ -108,6 +108,9 @@ pub struct Stats {
     pub shadow_baseline_matched: Metric,
     pub shadow_agree: Metric,
     pub unavailable_503: Metric,
+    /// Requests Envoy served on another replica than the pick (a retry,
+    /// the header's next address, the fallback policy).
+    pub served_elsewhere: Metric,
     pub replicas: HashMap<ReplicaId, ReplicaStats>,
 }
 
@@ -152,6 +155,7 @@ impl Stats {
             shadow_baseline_matched: c("shadow.baseline_matched_blocks_total"),
             shadow_agree: c("shadow.agree"),
             unavailable_503: c("unavailable_503"),
+            served_elsewhere: c("served_elsewhere"),
             replicas,
         }
     }

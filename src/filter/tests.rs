@@ -41,6 +41,8 @@ struct Fake {
     calls: RefCell<Vec<String>>,
     /// Refuse writes to the request headers (a host that says no).
     refuse_request_writes: Cell<bool>,
+    /// The upstream that answered (`upstream.address`).
+    upstream: RefCell<Option<String>>,
 }
 
 fn map_name(map: Map) -> &'static str {
@@ -62,6 +64,11 @@ impl Fake {
             Map::Request => &self.request,
             Map::Response => &self.response,
         }
+    }
+
+    /// The upstream's (or Envoy's) response headers arrive.
+    fn respond(&self, status: u16) {
+        *self.response.borrow_mut() = vec![(b":status".to_vec(), status.to_string().into_bytes())];
     }
 
     /// A new stream's request: headers as given, and its body.
@@ -142,6 +149,15 @@ impl Host for Fake {
     fn request_headers(&self) -> Pairs {
         self.calls.borrow_mut().push("read request headers".into());
         self.request.borrow().clone()
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        self.upstream.borrow().clone()
+    }
+
+    fn response_status(&self) -> Option<u16> {
+        let status = self.header(Map::Response, ":status")?;
+        status.parse().ok()
     }
 
     fn remove_header(&self, map: Map, name: &str) -> Result<(), u32> {
@@ -455,6 +471,7 @@ fn affinity_tokens_are_read_stripped_verified_and_issued() {
     // First turn: no token; the response carries one naming the replica.
     let mut s = post(&fake, &w, &[], &doc(1));
     let pick = fake.header(Map::Request, DEST).unwrap();
+    fake.respond(200);
     s.on_response_headers(&fake);
     let token = fake.header(Map::Response, header).unwrap();
     let now_s = fake.now.get() / 1000;
@@ -472,6 +489,15 @@ fn affinity_tokens_are_read_stripped_verified_and_issued() {
         s.on_log(&fake);
     }
     assert_eq!(fake.stat("decision.affinity"), 4);
+    // A failed response (a 5xx from the replica, or Envoy's own 503 or
+    // 504 once retries ran out) names no replica to come back to.
+    for status in [500, 503, 504] {
+        let mut s = post(&fake, &w, &[], &doc(7));
+        fake.respond(status);
+        s.on_response_headers(&fake);
+        assert_eq!(fake.header(Map::Response, header), None, "{status}");
+        s.on_log(&fake);
+    }
     // A forged token: stripped, counted, not followed.
     let forged = affinity::mint(b"another key, also at least 32 bytes long", 1, now_s);
     post(&fake, &w, &[(header, forged.as_bytes())], &doc(9));
@@ -571,4 +597,48 @@ fn a_replica_that_leaves_the_pool_shows_nothing_in_flight_and_is_forgotten() {
     wk.stats.show_load(&fake, &eps, &busy);
     assert_eq!(fake.stat(&gauge), 3);
     assert_eq!(wk.stats.replicas.len(), eps.len());
+}
+
+#[test]
+fn a_request_served_elsewhere_moves_its_load_and_its_token_there() {
+    let fake = Fake::new();
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#);
+    let w = worker(&fake, &extra);
+    let header = crate::config::DEFAULT_AFFINITY_HEADER;
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    let pick = pick.split(',').next().unwrap().to_string();
+    let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
+    assert_eq!(in_flight(&fake), [(id_of(&pick), 1)].into());
+    // The pick refused or failed it; Envoy's retry went to `other`.
+    *fake.upstream.borrow_mut() = Some(other.clone());
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    assert_eq!(in_flight(&fake), [(id_of(&other), 1)].into());
+    let token = fake.header(Map::Response, header).unwrap();
+    let now_s = fake.now.get() / 1000;
+    assert_eq!(
+        affinity::verify(AFFINITY_KEY.as_bytes(), token.as_bytes(), now_s, 3600),
+        Ok(id_of(&other))
+    );
+    assert_eq!(fake.stat("served_elsewhere"), 1);
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+    // Served by the pick, or by an address outside the pool: nothing moves.
+    for outside in [false, true] {
+        let mut s = post(&fake, &w, &[], &doc(2));
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        let pick = pick.split(',').next().unwrap().to_string();
+        let upstream = if outside {
+            "192.0.2.1:80"
+        } else {
+            pick.as_str()
+        };
+        *fake.upstream.borrow_mut() = Some(upstream.to_string());
+        fake.respond(200);
+        s.on_response_headers(&fake);
+        assert_eq!(in_flight(&fake), [(id_of(&pick), 1)].into());
+        s.on_log(&fake);
+    }
+    assert_eq!(fake.stat("served_elsewhere"), 1);
 }

@@ -119,6 +119,19 @@ extern "C" {
         return_data: *mut *mut u8,
         return_size: *mut usize,
     ) -> u32;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
     fn proxy_set_shared_data(
@@ -162,6 +175,29 @@ pub fn get_headers(map: MapType) -> crate::headers::Pairs {
         return Vec::new();
     }
     crate::headers::parse(&buf)
+}
+
+/// A stream property (`path` segments, e.g. `["upstream", "address"]`);
+/// `None` when absent or unreadable.
+pub fn get_property(path: &[&str]) -> Option<Vec<u8>> {
+    let joined = path.join("\0");
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: as `get_headers`.
+    let status = unsafe { proxy_get_property(joined.as_ptr(), joined.len(), &mut data, &mut size) };
+    let buf = unsafe { take_host_buffer(data, size) };
+    (status == OK && !data.is_null()).then_some(buf)
+}
+
+/// One header's value as raw bytes; `None` when absent or unreadable.
+pub fn get_header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: as `get_headers`.
+    let status =
+        unsafe { proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size) };
+    let buf = unsafe { take_host_buffer(data, size) };
+    (status == OK && !data.is_null()).then_some(buf)
 }
 
 pub fn remove_header(map: MapType, name: &str) -> Result<(), u32> {

@@ -52,6 +52,15 @@ impl Host for Envoy {
         abi::remove_header(map_type(map), name)
     }
 
+    fn upstream_address(&self) -> Option<String> {
+        String::from_utf8(abi::get_property(&["upstream", "address"])?).ok()
+    }
+
+    fn response_status(&self) -> Option<u16> {
+        let raw = abi::get_header(MapType::HttpResponseHeaders, ":status")?;
+        std::str::from_utf8(&raw).ok()?.parse().ok()
+    }
+
     fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
         abi::replace_header(map_type(map), name, value)
     }

@@ -97,6 +97,13 @@ impl RootContext for Root {
             router.config.static_endpoints.len(),
             router.config.destination_header
         );
+        // The discovered pool and the replica table are in shared data
+        // already when this root context is a config change or a reload
+        // (FAIL_RELOAD reloads on the request path): read them now, not
+        // one tick later, or a discovery-only pool has no replica and
+        // answers 503 until then.
+        let mut worker = worker;
+        worker.router.refresh(&SharedData);
         self.worker = Some(Rc::new(RefCell::new(worker)));
         true
     }

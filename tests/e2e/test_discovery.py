@@ -9,7 +9,18 @@ from pathlib import Path
 
 import yaml
 
-from harness import Envoy, backends, completion, free_port, render_config, request, stat_label, vllm_metrics
+from harness import (
+    WASM_FAULT,
+    Envoy,
+    backends,
+    completion,
+    free_port,
+    render_config,
+    request,
+    stat_label,
+    vllm_metrics,
+    wasm_http_filter,
+)
 
 
 def eds(path: Path, addrs: list[str]):
@@ -80,6 +91,10 @@ def config(eds_path: Path, plugin: dict) -> dict:
     return cfg
 
 
+def hcm_of(cfg: dict) -> dict:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
 def served_by(port: int, n: int) -> Counter:
     c = Counter()
     for i in range(n):
@@ -124,6 +139,44 @@ def test_pool_follows_envoys_hosts(tmp_path):
             # A replica that left shows no load (Envoy keeps the stat).
             for g in ["running", "kv_usage_percent", "inflight"]:
                 assert envoy.stat(f"{gone}.{g}") == 0, g
+
+
+def test_a_reloaded_vm_routes_to_the_discovered_pool_at_once(tmp_path):
+    # FAIL_RELOAD recreates a trapped VM on the next request, and that
+    # request is served by a root context that has not ticked yet. The
+    # discovered pool is in shared data already: read at configure time,
+    # not a tick (here a second) later, when a discovery-only pool had no
+    # replica and every request until then got a 503.
+    with backends(2, metrics=vllm_metrics()) as bs:
+        path = tmp_path / "eds.yaml"
+        eds(path, [b.addr for b in bs])
+        plugin = {
+            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 1000},
+            "cluster": "pool",
+            "scrape_interval_ms": 1000,
+            "tick_ms": 1000,
+            "debug_trap_on_request": 5,
+        }
+        cfg = config(path, plugin)
+        wasm = wasm_http_filter(hcm_of(cfg))["typed_config"]["config"]
+        wasm["vm_config"]["code"]["local"]["filename"] = str(WASM_FAULT)
+        wasm["failure_policy"] = "FAIL_RELOAD"
+        wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
+        with Envoy(cfg, concurrency=1) as envoy:
+            deadline = time.time() + 10
+            while time.time() < deadline and envoy.stat("prefix_router.eligible_replicas") != 2:
+                time.sleep(0.1)
+            assert envoy.stat("prefix_router.eligible_replicas") == 2
+            results = []
+            # Nine: the new VM counts from 1 again and would trap on its fifth.
+            for i in range(9):
+                results.append(request(envoy.port, body=completion(f"reload {i} " * 10))[0])
+                time.sleep(0.05)
+            assert envoy.stats().get("wasm.prefix-router.vm_reload_success", 0) >= 1
+            # The fifth request trapped the VM; every other one was routed,
+            # the ones right after the reload included.
+            assert results[:4] == [200] * 4, results
+            assert results[5:] == [200] * 4, results
 
 
 def test_bad_admin_cluster_is_counted_and_traffic_still_flows_to_the_static_list(tmp_path):

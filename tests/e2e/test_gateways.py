@@ -11,7 +11,7 @@ import contextlib
 import random
 from collections import Counter, defaultdict
 
-from harness import backends, chat, completion, filter_envoy, request
+from harness import backends, chat, completion, filter_envoy, request, stat_label
 
 KEY = "gateway-shared-secret-0123456789abcdef"
 AFFINITY = "x-prefix-router-affinity"
@@ -112,6 +112,49 @@ def test_session_affinity_survives_a_hop_between_instances():
         assert b.stat("prefix_router.decision.affinity") == 1
         # The upstream never sees the token.
         assert all(AFFINITY not in r["headers"] for be in bs for r in be.requests)
+
+
+def test_a_failed_response_carries_no_affinity_token():
+    # A 5xx (here the replicas' own 503, through Envoy's retry) names no
+    # replica for the client to come back to; a success does.
+    with backends(2) as bs, gateways([b.addr for b in bs], n=1) as (gw,):
+        for b in bs:
+            b.down = True
+        status, headers, _ = request(gw.port, body=completion(doc(1) + " Turn 1?"))
+        assert status == 503
+        assert AFFINITY not in headers
+        for b in bs:
+            b.down = False
+        status, headers, _ = request(gw.port, body=completion(doc(1) + " Turn 1?"))
+        assert status == 200
+        assert AFFINITY in headers
+
+
+def test_a_request_served_elsewhere_than_the_pick_is_accounted_there():
+    # The pick refuses connections (down, no scraping to tell); Envoy
+    # retries on the header's next address. The request's load and its
+    # affinity token follow the replica that answered.
+    with backends(2) as (live, dead):
+        plugin = {"max_fallbacks": 1, "debug_header": True, "affinity": {"key": KEY}}
+        with filter_envoy([live.addr, dead.addr], plugin, concurrency=1) as gw:
+            dead.stop()
+            picked_dead = 0
+            for g in range(16):
+                status, headers, _ = request(gw.port, body=completion(doc(g) + " Turn 1?"))
+                assert status == 200
+                assert headers["x-served-by"] == str(live.port)
+                picked_dead += f"replica={dead.addr};" in headers["x-prefix-router-debug"]
+                token = headers[AFFINITY]
+                # The token leads back to the replica that answered: followed,
+                # and served there at the first attempt.
+                status, headers, _ = request(
+                    gw.port, body=completion(doc(100 + g) + " Turn 2?"), headers=[(AFFINITY, token)]
+                )
+                assert status == 200
+                assert f"replica={live.addr}; reason=affinity" in headers["x-prefix-router-debug"], headers
+            assert picked_dead > 0
+            assert gw.stat("prefix_router.served_elsewhere") == picked_dead
+            assert gw.stat(f"prefix_router.replica.{stat_label(dead.addr)}.inflight") == 0
 
 
 def test_with_echoing_clients_sessions_keep_their_replica_across_instances():
