@@ -459,7 +459,10 @@ fn read_affinity<H: Host>(h: &H, w: &Worker, a: &Affinity, headers: &Pairs) -> O
 /// Parse and hash the body (none: nothing to hash). A body that doesn't
 /// parse is counted and routed on load alone.
 fn hash_body<H: Host>(h: &H, w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
-    let Some(b) = body else {
+    // An empty body is no body, however the stream ended: end of stream on
+    // the headers, or an empty last data frame (HTTP/2, chunked). Only the
+    // latter reached the parser and counted as a parse error.
+    let Some(b) = body.filter(|b| !b.is_empty()) else {
         return (Hashed::default(), None);
     };
     // The whole prompt: its checkpoints reach its end (see `prefix`).

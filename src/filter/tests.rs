@@ -366,6 +366,16 @@ fn requests_without_a_prompt_are_routed_at_once() {
         assert!(!fake.calls().iter().any(|c| c.starts_with("read body")));
     }
     assert_eq!(fake.stat("decision.no_prompt"), 3);
+    // An inference POST whose empty body ends the stream in a data frame
+    // (HTTP/2, chunked): no prompt, as with end of stream on the headers,
+    // and no parse error.
+    fake.start(&POST, b"");
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, 0, true), Action::Continue);
+    assert!(fake.header(Map::Request, DEST).is_some());
+    assert_eq!(fake.stat("decision.no_prompt"), 4);
+    assert_eq!(fake.stat("parse_errors"), 0);
 }
 
 #[test]
