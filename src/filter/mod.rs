@@ -195,23 +195,21 @@ impl HttpFilter {
         if let Some(d) = &self.debug {
             let _ = h.replace_header(Map::Response, DEBUG_HEADER, d);
         }
-        let Some(w) = self.worker.clone() else {
-            return Action::Continue;
-        };
-        let Some(a) = w.borrow().router.config.affinity.clone() else {
-            return Action::Continue;
-        };
+        let affinity_on =
+            (self.worker.as_ref()).is_some_and(|w| w.borrow().router.config.affinity.is_some());
         // A failed response (an upstream 5xx, or Envoy's own 503 or 504
         // once retries ran out) names no replica to come back to.
-        if self.routed.is_none() || h.response_status().is_none_or(|s| s >= 500) {
+        if !affinity_on || self.routed.is_none() || h.response_status().is_none_or(|s| s >= 500) {
             return Action::Continue;
         }
         self.follow_the_upstream(h);
-        if let Some(routed) = self.routed {
-            // The session's replica, for the client to send back to
-            // whichever gateway instance it reaches next.
-            let token = affinity::mint(a.key.as_bytes(), routed.replica, h.now_ms() / 1000);
-            let _ = h.replace_header(Map::Response, &a.header, &token);
+        if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
+            if let Some(a) = &w.borrow().router.config.affinity {
+                // The session's replica, for the client to send back to
+                // whichever gateway instance it reaches next.
+                let token = affinity::mint(a.key.as_bytes(), routed.replica, h.now_ms() / 1000);
+                let _ = h.replace_header(Map::Response, &a.header, &token);
+            }
         }
         Action::Continue
     }
