@@ -258,21 +258,60 @@ impl PrefixIndex {
         stamped: u32,
         now_s: u32,
     ) -> RecordStats {
-        let mut stats = RecordStats::default();
         let fresh = now_s.saturating_sub(stamped) < REFRESH_S;
         let skip_to = if fresh { matched } else { 0 };
+        self.write_each(store, cps, skip_to, |entries, cp, child| {
+            stamp(entries, cp.hash, child, replica, now_s)
+        })
+    }
+
+    /// The prompt recorded on `from` was served by `to` (Envoy retried it
+    /// elsewhere, took the header's next address, or fell back): `to`
+    /// holds all of it now, and `from` only what it held before it was
+    /// credited (`from_held` blocks). Left as recorded, the next turn
+    /// looked for the prompt on the replica that had just failed it, and
+    /// nowhere else. One write per checkpoint, like a record from cold.
+    pub fn moved<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        from: ReplicaId,
+        from_held: u32,
+        to: ReplicaId,
+        now_s: u32,
+    ) -> RecordStats {
+        self.write_each(store, cps, 0, |entries, cp, child| {
+            let outcome = stamp(entries, cp.hash, child, to, now_s);
+            if cp.blocks > from_held {
+                if let Some(e) = entries.iter_mut().find(|e| e.hash == cp.hash) {
+                    e.holders.retain(|h| h.id != from);
+                }
+            }
+            outcome
+        })
+    }
+
+    /// Apply `edit` to the entry of each checkpoint deeper than `skip_to`
+    /// blocks, one compare-and-swap each; `edit` gets the bucket, the
+    /// checkpoint and what follows it if that is comparable (on the
+    /// schedule), for free with this write.
+    fn write_each<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        skip_to: u32,
+        mut edit: impl FnMut(&mut Vec<Entry>, &Checkpoint, u64) -> (u32, u32),
+    ) -> RecordStats {
+        let mut stats = RecordStats::default();
         for (i, cp) in cps.iter().enumerate().filter(|(_, c)| c.blocks > skip_to) {
-            let hash = cp.hash;
-            // What follows, if it is comparable (on the schedule): the
-            // entry's first continuation, for free with this write.
             let child = cps
                 .get(i + 1)
                 .filter(|n| n.on_schedule)
                 .map_or(0, |n| n.hash);
             let mut outcome = (0, 0);
-            let r = update(store, &self.key(hash), self.max_retries, |old| {
+            let r = update(store, &self.key(cp.hash), self.max_retries, |old| {
                 let mut entries = old.map(decode).unwrap_or_default();
-                outcome = stamp(&mut entries, hash, child, replica, now_s);
+                outcome = edit(&mut entries, cp, child);
                 Some(encode(&entries))
             });
             stats.writes += 1;
@@ -588,6 +627,29 @@ mod tests {
         let b = idx.lookup(&s, &third).branch.unwrap();
         assert!(b.forked, "two different continuations seen: a trunk");
         assert!(!idx.note_branch(&s, &third, &b));
+    }
+
+    #[test]
+    fn a_prompt_served_elsewhere_moves_to_the_replica_that_served_it() {
+        let s = MemStore::new();
+        let idx = PrefixIndex::new(4096);
+        let long = hashes("doc-one ", 64);
+        // Replica 1 held 16 blocks of it and was credited with all 64;
+        // replica 2 served them.
+        idx.record(&s, upto(&long, 16), 1, 0, 0, 100);
+        idx.record(&s, &long, 1, 16, 100, 101);
+        assert_eq!(idx.lookup(&s, &long).get(1), 64);
+        let r = idx.moved(&s, &long, 1, 16, 2, 102);
+        assert_eq!(r.writes as usize, long.len());
+        assert_eq!(r.failed, 0);
+        let m = idx.lookup(&s, &long);
+        assert_eq!(m.get(2), 64, "the replica that served it holds it all");
+        assert_eq!(m.get(1), 16, "the pick keeps what it held before");
+        // Another replica's hold is untouched.
+        idx.record(&s, upto(&long, 40), 3, 0, 0, 103);
+        idx.moved(&s, &long, 2, 0, 1, 104);
+        let m = idx.lookup(&s, &long);
+        assert_eq!((m.get(1), m.get(2), m.get(3)), (64, 0, 40));
     }
 
     #[test]

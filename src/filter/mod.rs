@@ -24,6 +24,7 @@ use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
 use crate::index::RecordStats;
 use crate::load::{LoadBoard, Start};
+use crate::prefix::Checkpoint;
 use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
 use crate::score::Reason;
 use crate::store::Store;
@@ -103,11 +104,20 @@ struct Routed {
     work: u64,
 }
 
+/// What the index credited the pick with: the prompt's checkpoints, and
+/// what the pick held before. Kept only with affinity on (the one case the
+/// response is read for the replica that served it), until then.
+struct Credited {
+    checkpoints: Vec<Checkpoint>,
+    held: u32,
+}
+
 /// One HTTP stream's state.
 pub struct HttpFilter {
     worker: Option<Rc<RefCell<Worker>>>,
     /// Set once the destination header is written.
     routed: Option<Routed>,
+    credited: Option<Credited>,
     debug: Option<String>,
     waiting_for_body: bool,
     /// The priority header's value, read with the others in one host call.
@@ -123,6 +133,7 @@ impl HttpFilter {
         HttpFilter {
             worker,
             routed: None,
+            credited: None,
             debug: None,
             waiting_for_body: false,
             priority: None,
@@ -219,11 +230,11 @@ impl HttpFilter {
     /// retried 503, or the fallback policy. The affinity token names the
     /// replica that answered (a token naming the pick sent the session
     /// back to the replica that had just failed it), and the request's work
-    /// in flight moves there. Only with affinity on, for the token: reading
-    /// `upstream.address` from Envoy costs ~20-30 µs a request (16 KiB
-    /// chat, added p50 +93-106 µs against +75-80 without it), and without
-    /// a token a misplaced count lasts one request. The index keeps
-    /// crediting the pick with the prompt: not undone here.
+    /// in flight moves there, and so does the prompt in the index (the next
+    /// turn without a token looked for it on the pick alone). Only with
+    /// affinity on, for the token: reading `upstream.address` from Envoy
+    /// costs ~20-30 µs a request (16 KiB chat, added p50 +93-106 µs against
+    /// +75-80 without it).
     fn follow_the_upstream<H: Host>(&mut self, h: &H) {
         let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
             return;
@@ -246,6 +257,15 @@ impl HttpFilter {
             ..Start::default()
         };
         w.board.start(h.store(), served.id(), moved, now);
+        if let Some(c) = self.credited.take() {
+            let (from, to) = (routed.replica, served.id());
+            let r = w
+                .router
+                .served_elsewhere(h.store(), &c.checkpoints, from, c.held, to, now);
+            if r.failed > 0 {
+                w.stats.index_write_failures.add(h, i64::from(r.failed));
+            }
+        }
         w.stats.served_elsewhere.inc(h);
         routed.replica = served.id();
     }
@@ -310,6 +330,12 @@ impl HttpFilter {
             replica: ep.id(),
             work: choice.work,
         });
+        if w.router.config.affinity.is_some() && !hashed.is_empty() {
+            self.credited = Some(Credited {
+                checkpoints: hashed.checkpoints,
+                held: choice.matched,
+            });
+        }
         w.stats.ensure_replica(h, &ep).routed.inc(h);
         count(h, &w.stats, &choice, rec);
         if let (true, Some(why)) = (w.router.config.debug_header, &why) {

@@ -634,6 +634,12 @@ fn a_request_served_elsewhere_moves_its_load_and_its_token_there() {
     assert_eq!(fake.stat("served_elsewhere"), 1);
     s.on_log(&fake);
     assert!(in_flight(&fake).is_empty());
+    // The prompt moved in the index too: the next request with it and no
+    // token goes where it was served, not back to the pick.
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let again = fake.header(Map::Request, DEST).unwrap();
+    assert_eq!(again.split(',').next(), Some(other.as_str()));
+    s.on_log(&fake);
     // Served by the pick, or by an address outside the pool: nothing moves.
     for outside in [false, true] {
         let mut s = post(&fake, &w, &[], &doc(2));

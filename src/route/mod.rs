@@ -15,6 +15,7 @@ use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::index::{Matches, PrefixIndex, RecordStats};
 use crate::load::{self, LoadBoard, Start};
+use crate::prefix::Checkpoint;
 use crate::replicas::{HealthPolicy, Row, Table};
 use crate::score::{self, Candidate, LoraFit, Reason, ScoreParams};
 use crate::store::Store;
@@ -648,6 +649,22 @@ impl Router {
             choice.stamped,
             now_s,
         )
+    }
+
+    /// A request committed to `from` was served by `to`: its prompt moves
+    /// in the index (see `PrefixIndex::moved`). `from_held` is what `from`
+    /// held before the commit (`Choice::matched`).
+    pub fn served_elsewhere<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        from: ReplicaId,
+        from_held: u32,
+        to: ReplicaId,
+        now_ms: u64,
+    ) -> RecordStats {
+        let now_s = (now_ms / 1000) as u32;
+        self.index.moved(store, cps, from, from_held, to, now_s)
     }
 
     /// A human-readable account of the decision, for the debug header.

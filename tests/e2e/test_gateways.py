@@ -132,9 +132,10 @@ def test_a_failed_response_carries_no_affinity_token():
 
 def test_a_request_served_elsewhere_than_the_pick_is_accounted_there():
     # The pick refuses connections (down, no scraping to tell); Envoy
-    # retries on the header's next address. The affinity token follows the
-    # replica that answered (its load too: the filter's unit test; the
-    # in-flight gauge here is a tick's sample, racy to read).
+    # retries on the header's next address. The affinity token and the
+    # prompt's place in the index follow the replica that answered (its load
+    # too: the filter's unit test; the in-flight gauge here is a tick's
+    # sample, racy to read).
     with backends(2) as (live, dead):
         plugin = {"max_fallbacks": 1, "debug_header": True, "affinity": {"key": KEY}}
         with filter_envoy([live.addr, dead.addr], plugin, concurrency=1) as gw:
@@ -155,6 +156,12 @@ def test_a_request_served_elsewhere_than_the_pick_is_accounted_there():
                 assert f"replica={live.addr}; reason=affinity" in headers["x-prefix-router-debug"], headers
             assert picked_dead > 0
             assert gw.stat("prefix_router.served_elsewhere") == picked_dead
+            # The prompts moved in the index as well: asked again without a
+            # token, each is looked for where it was served.
+            for g in range(16):
+                status, headers, _ = request(gw.port, body=completion(doc(g) + " Turn 1?"))
+                assert status == 200
+                assert f"replica={live.addr};" in headers["x-prefix-router-debug"], headers
 
 
 def test_with_echoing_clients_sessions_keep_their_replica_across_instances():
