@@ -554,6 +554,60 @@ mod tests {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
     }
 
+    /// The README's configuration table states each key's default, and
+    /// its samples (and the operators' guide's) are what operators paste:
+    /// both must hold for this
+    /// build (a default changed in code, a key renamed, a stale sample).
+    #[test]
+    fn the_readme_states_the_real_defaults_and_its_samples_parse() {
+        let readme = include_str!("../README.md");
+        let base = r#""endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]"#;
+        let parse = |extra: &str| Config::parse(format!("{{{base}{extra}}}").as_bytes());
+        let default = format!("{:?}", parse("").unwrap());
+        let mut checked = Vec::new();
+        for row in readme.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = row.split(" | ").collect();
+            let (Some(key), Some(value)) = (cells.first(), cells.get(1)) else {
+                continue;
+            };
+            let key = key.trim_start_matches("| ").trim_matches('`');
+            let Some(value) = value.strip_prefix('`').and_then(|v| v.strip_suffix('`')) else {
+                continue; // "required", "none", another key's name
+            };
+            if key.contains('.') || key == "metrics_cluster" {
+                continue; // stats, and a default that names another key
+            }
+            let json = match serde_json::from_str::<serde_json::Value>(value) {
+                Ok(_) => value.to_string(),
+                Err(_) => format!("{value:?}"),
+            };
+            let got = parse(&format!(r#", "{key}": {json}"#));
+            let got = got.map(|c| format!("{c:?}"));
+            assert_eq!(
+                got.ok().as_ref(),
+                Some(&default),
+                "README's default of `{key}`"
+            );
+            checked.push(key);
+        }
+        assert!(
+            checked.len() >= 25,
+            "the table's rows were found: {checked:?}"
+        );
+        let guide = include_str!("../docs/operators-guide.md");
+        let samples: Vec<&str> = [readme, guide]
+            .iter()
+            .flat_map(|doc| doc.split("```json\n").skip(1))
+            .filter_map(|b| b.split("```").next())
+            .collect();
+        assert!(samples.len() >= 6);
+        for sample in samples {
+            if let Err(e) = Config::parse(sample.as_bytes()) {
+                panic!("README sample {sample} does not parse: {e}");
+            }
+        }
+    }
+
     #[test]
     fn minimal_config_gets_defaults() {
         let c = Config::parse(br#"{"endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]}"#).unwrap();
