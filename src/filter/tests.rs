@@ -658,3 +658,52 @@ fn a_request_served_elsewhere_moves_its_load_and_its_token_there() {
     }
     assert_eq!(fake.stat("served_elsewhere"), 1);
 }
+
+/// The stat names in README's Stats table, braces expanded, `<ip_port>`
+/// left as is, each with the `prefix_router.` prefix.
+fn documented_stats() -> Vec<String> {
+    let readme = include_str!("../../README.md");
+    let table = readme.split("\n## Stats\n").nth(1).unwrap_or_default();
+    let table = table.split("\n## ").next().unwrap_or_default();
+    let mut names = Vec::new();
+    for row in table.lines().filter(|l| l.starts_with("| `")) {
+        let first = row.split(" | ").next().unwrap_or_default();
+        for name in first.split('`').skip(1).step_by(2) {
+            let name = match name.starts_with(P) {
+                true => name.to_string(),
+                false => format!("{P}.{name}"),
+            };
+            match (name.split_once('{'), name.split_once('}')) {
+                (Some((head, rest)), Some((_, tail))) => {
+                    let inside = rest.split('}').next().unwrap_or_default();
+                    names.extend(inside.split(',').map(|v| format!("{head}{v}{tail}")));
+                }
+                _ => names.push(name),
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_stat_the_request_path_defines_is_documented() {
+    let fake = Fake::new();
+    let _w = worker(&fake, "");
+    let documented = documented_stats();
+    assert!(documented.len() >= 30, "{documented:?}");
+    let labels: Vec<String> = POOL
+        .iter()
+        .map(|e| e.parse::<Endpoint>().unwrap().stat_label())
+        .collect();
+    let defined = fake.stats.borrow().clone();
+    assert!(defined.len() >= 30);
+    for (name, _) in defined {
+        let generic = labels.iter().fold(name.clone(), |n, l| {
+            n.replace(&format!(".{l}."), ".<ip_port>.")
+        });
+        assert!(
+            documented.contains(&generic),
+            "{name} is not in README's Stats table"
+        );
+    }
+}
