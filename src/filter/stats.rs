@@ -78,6 +78,68 @@ impl ReplicaStats {
     }
 }
 
+/// What the scraper VM shows per replica: its scrapes, and the load its
+/// last good page reported.
+pub struct ScrapeGauges {
+    pub ok: Metric,
+    pub failed: Metric,
+    pub waiting: Metric,
+    pub running: Metric,
+    pub kv_percent: Metric,
+    pub hit_percent: Metric,
+    pub traffic_share: Metric,
+}
+
+impl ScrapeGauges {
+    pub fn define<M: Metrics + ?Sized>(m: &M, e: &Endpoint) -> ScrapeGauges {
+        let label = e.stat_label();
+        let define = |kind, n: &str| Metric::define(m, kind, &format!("{P}.replica.{label}.{n}"));
+        ScrapeGauges {
+            ok: define(MetricType::Counter, "scrapes_ok"),
+            failed: define(MetricType::Counter, "scrapes_failed"),
+            waiting: define(MetricType::Gauge, "waiting"),
+            running: define(MetricType::Gauge, "running"),
+            kv_percent: define(MetricType::Gauge, "kv_usage_percent"),
+            hit_percent: define(MetricType::Gauge, "cache_hit_percent"),
+            traffic_share: define(MetricType::Gauge, "traffic_share_percent"),
+        }
+    }
+
+    /// A replica that left the pool shows no load.
+    pub fn zero<M: Metrics + ?Sized>(&self, m: &M) {
+        for g in [
+            self.waiting,
+            self.running,
+            self.kv_percent,
+            self.hit_percent,
+            self.traffic_share,
+        ] {
+            g.record(m, 0);
+        }
+    }
+}
+
+/// The scraper VM's own stats: the pool it sees, and its handovers.
+pub struct ScraperStats {
+    pub eligible: Metric,
+    pub takeovers: Metric,
+    pub discovered: Metric,
+    pub discovery_failures: Metric,
+}
+
+impl ScraperStats {
+    pub fn define<M: Metrics + ?Sized>(m: &M) -> ScraperStats {
+        let g = |n: &str| Metric::define(m, MetricType::Gauge, &format!("{P}.{n}"));
+        let c = |n: &str| Metric::define(m, MetricType::Counter, &format!("{P}.{n}"));
+        ScraperStats {
+            eligible: g("eligible_replicas"),
+            takeovers: c("scrape.lease_takeovers"),
+            discovered: g("discovery.hosts"),
+            discovery_failures: c("discovery.failures"),
+        }
+    }
+}
+
 pub struct Stats {
     pub requests: Metric,
     pub prefix_hit: Metric,

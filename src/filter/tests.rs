@@ -686,9 +686,14 @@ fn documented_stats() -> Vec<String> {
 }
 
 #[test]
-fn every_stat_the_request_path_defines_is_documented() {
+fn every_stat_the_filter_defines_is_documented() {
     let fake = Fake::new();
     let _w = worker(&fake, "");
+    // And the scraper VM's.
+    stats::ScraperStats::define(&fake);
+    for e in POOL {
+        stats::ScrapeGauges::define(&fake, &e.parse().unwrap());
+    }
     let documented = documented_stats();
     assert!(documented.len() >= 30, "{documented:?}");
     let labels: Vec<String> = POOL

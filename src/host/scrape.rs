@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, MetricType};
+use proxy_wasm::types::{BufferType, MapType};
 
 use super::abi;
 use super::envoy::Envoy;
@@ -15,7 +15,7 @@ use super::shared::SharedData;
 use crate::config::{Discovery, Scrape};
 use crate::discovery;
 use crate::endpoint::{Endpoint, ReplicaId};
-use crate::filter::stats::Metric;
+use crate::filter::stats::{ScrapeGauges, ScraperStats};
 use crate::headers;
 use crate::metrics;
 use crate::replicas::{self, Lease, Table};
@@ -25,46 +25,6 @@ use crate::scrape::{self as callout, CalloutError};
 /// Largest admin `/clusters` answer read (a pool of 1,024 hosts with stats
 /// is well under this).
 const MAX_ADMIN_BYTES: usize = 8 << 20;
-
-struct ReplicaGauges {
-    ok: Metric,
-    failed: Metric,
-    waiting: Metric,
-    running: Metric,
-    kv_percent: Metric,
-    hit_percent: Metric,
-    traffic_share: Metric,
-}
-
-impl ReplicaGauges {
-    /// A replica that left the pool shows no load.
-    fn zero(&self) {
-        for g in [
-            self.waiting,
-            self.running,
-            self.kv_percent,
-            self.hit_percent,
-            self.traffic_share,
-        ] {
-            g.record(&Envoy, 0);
-        }
-    }
-
-    fn define(ep: &Endpoint) -> ReplicaGauges {
-        let l = ep.stat_label();
-        let m =
-            |kind, n: &str| Metric::define(&Envoy, kind, &format!("prefix_router.replica.{l}.{n}"));
-        ReplicaGauges {
-            ok: m(MetricType::Counter, "scrapes_ok"),
-            failed: m(MetricType::Counter, "scrapes_failed"),
-            waiting: m(MetricType::Gauge, "waiting"),
-            running: m(MetricType::Gauge, "running"),
-            kv_percent: m(MetricType::Gauge, "kv_usage_percent"),
-            hit_percent: m(MetricType::Gauge, "cache_hit_percent"),
-            traffic_share: m(MetricType::Gauge, "traffic_share_percent"),
-        }
-    }
-}
 
 enum Call {
     Metrics(Endpoint),
@@ -83,7 +43,7 @@ pub struct Scraper {
     /// Replicas with a metrics call in `pending` (an index of it, so a
     /// tick is O(replicas), not O(replicas x pending)).
     busy: HashSet<ReplicaId>,
-    gauges: HashMap<ReplicaId, ReplicaGauges>,
+    gauges: HashMap<ReplicaId, ScrapeGauges>,
     /// The replica table as this VM (the only writer while it holds the
     /// lease) knows it: responses update it in O(log n), and it is
     /// published whole once a round of scrapes is in (or on the next
@@ -92,18 +52,12 @@ pub struct Scraper {
     /// Loaded from shared data since the lease was taken.
     table_loaded: bool,
     dirty: bool,
-    eligible: Metric,
-    takeovers: Metric,
-    discovered: Metric,
-    discovery_failures: Metric,
+    stats: ScraperStats,
 }
 
 impl Scraper {
     /// `tick_ms`: the VM's timer period.
     pub fn new(owner: u64, tick_ms: u64) -> Scraper {
-        let g = |n: &str| Metric::define(&Envoy, MetricType::Gauge, &format!("prefix_router.{n}"));
-        let c =
-            |n: &str| Metric::define(&Envoy, MetricType::Counter, &format!("prefix_router.{n}"));
         Scraper {
             owner,
             next_ms: 0,
@@ -115,17 +69,14 @@ impl Scraper {
             table: Table::default(),
             table_loaded: false,
             dirty: false,
-            eligible: g("eligible_replicas"),
-            takeovers: c("scrape.lease_takeovers"),
-            discovered: g("discovery.hosts"),
-            discovery_failures: c("discovery.failures"),
+            stats: ScraperStats::define(&Envoy),
         }
     }
 
-    fn gauges(&mut self, ep: &Endpoint) -> &ReplicaGauges {
+    fn gauges(&mut self, ep: &Endpoint) -> &ScrapeGauges {
         self.gauges
             .entry(ep.id())
-            .or_insert_with(|| ReplicaGauges::define(ep))
+            .or_insert_with(|| ScrapeGauges::define(&Envoy, ep))
     }
 
     pub fn tick(&mut self, router: &Router, now_ms: u64) {
@@ -167,7 +118,7 @@ impl Scraper {
                 return false;
             }
             Lease::TookOver => {
-                self.takeovers.inc(&Envoy);
+                self.stats.takeovers.inc(&Envoy);
                 log::info!("prefix-router: this VM took over metrics scraping");
             }
             Lease::Held => {}
@@ -295,11 +246,11 @@ impl Scraper {
             .and_then(|b| discovery::parse_clusters(&b, &d.cluster).map_err(|e| e.to_string()));
         match found {
             Ok(eps) => {
-                self.discovered.record(&Envoy, eps.len() as u64);
+                self.stats.discovered.record(&Envoy, eps.len() as u64);
                 discovery::publish(&SharedData, &eps);
             }
             Err(why) => {
-                self.discovery_failures.inc(&Envoy);
+                self.stats.discovery_failures.inc(&Envoy);
                 log::warn!(
                     "prefix-router: discovery from `{}` failed: {why}",
                     d.admin_cluster
@@ -371,7 +322,7 @@ impl Scraper {
         self.gauges.retain(|id, g| {
             let stays = known.contains(id);
             if !stays {
-                g.zero();
+                g.zero(&Envoy);
             }
             stays
         });
@@ -412,7 +363,8 @@ impl Scraper {
     }
 
     fn publish_eligible(&self, router: &Router, now_ms: u64) {
-        self.eligible
+        self.stats
+            .eligible
             .record(&Envoy, router.eligible_count(&SharedData, now_ms) as u64);
     }
 }
