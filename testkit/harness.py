@@ -369,6 +369,10 @@ class Envoy:
                 "info",
                 "--log-path",
                 str(self.log_path),
+                # The log reaches the file within 100 ms, not 10 s: tests
+                # read what the filter logged while Envoy runs.
+                "--file-flush-interval-msec",
+                "100",
             ],
             stdout=subprocess.DEVNULL,
             stderr=stderr,

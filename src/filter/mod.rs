@@ -464,6 +464,7 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
         (s.index_evictions, rec.evicted),
         (s.index_cas_retries, rec.cas_retries),
         (s.index_write_failures, rec.failed),
+        (s.routed_blind, u32::from(c.blind)),
     ] {
         if v > 0 {
             m.add(h, v as i64);

@@ -173,6 +173,8 @@ pub struct Stats {
     /// Requests Envoy served on another replica than the pick (a retry,
     /// the header's next address, the fallback policy).
     pub served_elsewhere: Metric,
+    /// Requests ranked over every replica because none passed its scrapes.
+    pub routed_blind: Metric,
     pub replicas: HashMap<ReplicaId, ReplicaStats>,
 }
 
@@ -218,6 +220,7 @@ impl Stats {
             shadow_agree: c("shadow.agree"),
             unavailable_503: c("unavailable_503"),
             served_elsewhere: c("served_elsewhere"),
+            routed_blind: c("routed_blind"),
             replicas,
         }
     }

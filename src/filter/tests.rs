@@ -453,23 +453,45 @@ fn no_eligible_replica_is_a_503_and_a_saturated_pool_sheds_with_a_429() {
     // Not sheddable: routed.
     post(&fake, &w, &[], &body);
     assert!(fake.header(Map::Request, DEST).is_some());
-    // Every replica failed its scrapes: 503, whatever the priority.
+    // Every replica failed its scrapes: routed over all of them, whatever
+    // the priority (their stale queues shed nothing), and counted.
     for &id in &ids {
         for _ in 0..3 {
             record_scrape(&fake.store, id, Err(()), &ids, now).unwrap();
         }
     }
+    let mut s = post(
+        &fake,
+        &w,
+        &[("x-prefix-router-priority", b"sheddable")],
+        &body,
+    );
+    assert!(fake.header(Map::Request, DEST).is_some());
+    assert_eq!(fake.stat("routed_blind"), 1);
+    assert_eq!(fake.stat("unavailable_503"), 0);
+    assert_eq!(fake.replies.borrow().len(), 1);
+    s.on_log(&fake);
+}
+
+#[test]
+fn an_empty_pool_is_a_503_with_the_cause() {
+    let fake = Fake::new();
+    let cfg = Config::parse(
+        br#"{"discovery":{"cluster":"pool","admin_cluster":"admin"},"cluster":"pool"}"#,
+    )
+    .unwrap();
+    let w = Rc::new(RefCell::new(Worker::new(&fake, cfg, 7)));
+    let body = doc(1);
     fake.start(&POST, &body);
     let mut s = HttpFilter::new(Some(w));
     s.on_request_headers(&fake, false);
     assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Pause);
     let r = fake.replies.borrow().last().cloned().unwrap();
-    assert_eq!((r.status, r.details.as_str()), (503, "no_healthy_replica"));
+    assert_eq!((r.status, r.details.as_str()), (503, "no_replica"));
     assert!(!r.headers.iter().any(|h| h.0 == "retry-after"));
-    assert!(r.body.contains("no healthy replica"), "{}", r.body);
+    assert!(r.body.contains("the pool is empty"), "{}", r.body);
     assert_eq!(fake.header(Map::Request, DEST), None);
     assert_eq!(fake.stat("unavailable_503"), 1);
-    assert_eq!(fake.replies.borrow().len(), 2);
 }
 
 #[test]

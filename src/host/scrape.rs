@@ -53,6 +53,10 @@ pub struct Scraper {
     table_loaded: bool,
     dirty: bool,
     stats: ScraperStats,
+    /// No replica passed its scrapes at the last count (warned once).
+    blind: bool,
+    /// The last failed scrape's replica and cause, for that warning.
+    last_failure: Option<String>,
 }
 
 impl Scraper {
@@ -70,6 +74,8 @@ impl Scraper {
             table_loaded: false,
             dirty: false,
             stats: ScraperStats::define(&Envoy),
+            blind: false,
+            last_failure: None,
         }
     }
 
@@ -155,6 +161,7 @@ impl Scraper {
             // failure now (a page that stalls after its headers would
             // otherwise keep the replica eligible until the timeout).
             // A late good answer resets the count.
+            self.last_failure = Some(format!("{ep}: no answer within an interval"));
             self.record(ep, Err(()), now_ms);
             return;
         }
@@ -167,6 +174,10 @@ impl Scraper {
             Call::Metrics(ep.clone()),
             scrape.timeout_ms,
         ) {
+            self.last_failure = Some(format!(
+                "{ep}: Envoy refused the call to `{}`",
+                scrape.cluster
+            ));
             self.record(ep, Err(()), now_ms);
         }
     }
@@ -274,6 +285,7 @@ impl Scraper {
             Ok(m) => self.record(ep, Ok(&m), now_ms),
             Err(why) => {
                 log::debug!("prefix-router: scrape of {ep} failed: {why}");
+                self.last_failure = Some(format!("{ep}: {why}"));
                 self.record(ep, Err(()), now_ms);
             }
         }
@@ -362,9 +374,28 @@ impl Scraper {
         }
     }
 
-    fn publish_eligible(&self, router: &Router, now_ms: u64) {
-        self.stats
-            .eligible
-            .record(&Envoy, router.eligible_count(&SharedData, now_ms) as u64);
+    /// The eligible count, and a warning when none is left (the router
+    /// then ranks every replica blind) or one is back: once each way, with
+    /// the last failure's cause, not once per failed scrape.
+    fn publish_eligible(&mut self, router: &Router, now_ms: u64) {
+        let n = router.eligible_count(&SharedData, now_ms);
+        self.stats.eligible.record(&Envoy, n as u64);
+        let blind = n == 0 && !router.endpoints().is_empty();
+        if blind && !self.blind {
+            let path = router
+                .config
+                .scrape
+                .as_ref()
+                .map_or("", |s| s.path.as_str());
+            log::warn!(
+                "prefix-router: no replica passed its metrics scrapes (`{path}`, last failure: {}); \
+                 routing over all {} replicas on load and the prefix index until one does",
+                self.last_failure.as_deref().unwrap_or("none yet"),
+                router.endpoints().len()
+            );
+        } else if !blind && self.blind {
+            log::warn!("prefix-router: {n} replicas pass their metrics scrapes again");
+        }
+        self.blind = blind;
     }
 }

@@ -81,6 +81,17 @@ pub struct Choice {
     /// Eligible replicas over their share of the pool's traffic, with
     /// several gateways and `traffic_balance` (`hot`).
     pub hot: u32,
+    /// No replica passed its scrapes: every one was ranked, on this
+    /// instance's own load and index alone (`Router::eligible_now`).
+    pub blind: bool,
+}
+
+/// Who may take a request now (see `Router::eligible_now`).
+struct Eligible {
+    /// Endpoint indices.
+    replicas: Vec<usize>,
+    /// Every replica, because none passed its scrapes.
+    blind: bool,
 }
 
 /// Why a decision went the way it did: built only on request
@@ -295,8 +306,8 @@ impl Router {
     }
 
     /// Rank the eligible replicas for a request (`hashed` empty when there's
-    /// no prompt), or answer it: 503 when no replica is eligible, 429 when
-    /// every eligible replica is saturated and the request is sheddable.
+    /// no prompt), or answer it: 503 when the pool is empty, 429 when every
+    /// eligible replica is saturated and the request is sheddable.
     pub fn decide<S: Store + ?Sized>(
         &self,
         store: &S,
@@ -341,10 +352,14 @@ impl Router {
         } else {
             Table::default()
         };
-        let eligible = self.eligible_now(&table, now_ms)?;
+        let Eligible {
+            replicas: eligible,
+            blind,
+        } = self.eligible_now(&table, now_ms)?;
+        // Failed scrapes' rows hold stale or no load: ranked without them.
         let rows: Vec<Option<&Row>> = eligible
             .iter()
-            .map(|&i| table.row(self.endpoints[i].id()))
+            .map(|&i| table.row(self.endpoints[i].id()).filter(|_| !blind))
             .collect();
         if meta.sheddable && self.saturated(&rows) {
             return Err(self.saturated_reject(eligible.len()));
@@ -389,27 +404,43 @@ impl Router {
             withheld: corrected.withheld,
             evicting: corrected.evicting,
             hot: corrected.hot,
+            blind,
         })
     }
 
-    /// The replicas that may take a request now (endpoint indices), or the
-    /// 503 that says none may.
-    fn eligible_now(&self, table: &Table, now_ms: u64) -> Result<Vec<usize>, Reject> {
-        let health = self.health();
-        let eligible: Vec<usize> = (0..self.endpoints.len())
-            .filter(|&i| self.eligible(i, table, &health, now_ms))
-            .collect();
-        if eligible.is_empty() {
+    /// The replicas that may take a request now (endpoint indices), and
+    /// whether that is every replica because none passed its scrapes
+    /// (`Eligible::blind`); the 503 when the pool is empty.
+    ///
+    /// Failing open, as Envoy's panic mode does: when every replica fails
+    /// its scrapes at once, the cause is more often the scrape (a wrong
+    /// `engine` or `metrics_path`, metrics turned off, the pool's
+    /// connection limit reached under load, pages grown past
+    /// `max_metrics_bytes`) than the whole pool, and a 503 for every
+    /// request would make a metrics problem an outage. Envoy still fails
+    /// what is really down.
+    fn eligible_now(&self, table: &Table, now_ms: u64) -> Result<Eligible, Reject> {
+        if self.endpoints.is_empty() {
             return Err(Reject {
                 status: 503,
-                kind: "no_healthy_replica",
-                message: format!(
-                    "no healthy replica: all {} replicas failed or missed their metrics scrapes",
-                    self.endpoints.len()
-                ),
+                kind: "no_replica",
+                message: "no replica: the pool is empty".to_string(),
             });
         }
-        Ok(eligible)
+        let health = self.health();
+        let healthy: Vec<usize> = (0..self.endpoints.len())
+            .filter(|&i| self.eligible(i, table, &health, now_ms))
+            .collect();
+        Ok(match healthy.is_empty() {
+            false => Eligible {
+                replicas: healthy,
+                blind: false,
+            },
+            true => Eligible {
+                replicas: (0..self.endpoints.len()).collect(),
+                blind: true,
+            },
+        })
     }
 
     fn saturated_reject(&self, eligible: usize) -> Reject {

@@ -667,11 +667,55 @@ fn saturation_sheds_only_sheddable_requests_and_no_replica_is_a_503() {
     assert!(r
         .decide(&s, &Hashed::default(), Meta::default(), 1000)
         .is_ok());
-    // Everyone stale: nothing eligible.
-    let rej = r
-        .decide(&s, &Hashed::default(), Meta::default(), 10_000)
-        .unwrap_err();
-    assert_eq!(rej.status, 503);
+    // Everyone stale: none passes its scrapes, so every one is ranked,
+    // without their stale rows (no longer saturated: nothing is shed).
+    for meta in [shed, Meta::default()] {
+        let c = r.decide(&s, &Hashed::default(), meta, 10_000).unwrap();
+        assert!(c.blind);
+        assert_eq!(c.order.len(), ids.len());
+    }
+}
+
+#[test]
+fn when_no_replica_passes_its_scrapes_every_one_is_ranked_by_load_and_prefix() {
+    use crate::replicas::record_scrape;
+    let r = router(r#","cluster":"pool""#);
+    let s = MemStore::new();
+    let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
+    let mut board = LoadBoard::new(1, 60_000);
+    // A document placed while every replica was healthy.
+    let first = run(&r, &s, &mut board, &doc(1, 0));
+    assert!(!first.blind);
+    // One replica fails its scrapes: never picked.
+    for _ in 0..3 {
+        record_scrape(&s, ids[first.order[0]], Err(()), &ids, 1000).unwrap();
+    }
+    let c = r
+        .decide(&s, &hashed(&r, &doc(1, 1)), Meta::default(), 1000)
+        .unwrap();
+    assert!(!c.blind && !c.order.contains(&first.order[0]));
+    // Every one fails (a wrong metrics path, the connection limit): all
+    // are ranked again, the document goes back to its holder, and new
+    // ones spread by load.
+    for &id in &ids {
+        for _ in 0..3 {
+            record_scrape(&s, id, Err(()), &ids, 1000).unwrap();
+        }
+    }
+    let c = r
+        .decide(&s, &hashed(&r, &doc(1, 2)), Meta::default(), 1000)
+        .unwrap();
+    assert!(c.blind);
+    assert_eq!((c.order[0], c.reason), (first.order[0], Reason::PrefixHit));
+    let mut picked = HashSet::new();
+    for d in 10..30 {
+        let c = r
+            .decide(&s, &hashed(&r, &doc(d, 0)), Meta::default(), 1000)
+            .unwrap();
+        r.commit(&s, &mut board, &c, &hashed(&r, &doc(d, 0)), 1000);
+        picked.insert(c.order[0]);
+    }
+    assert_eq!(picked.len(), ids.len());
 }
 
 #[test]

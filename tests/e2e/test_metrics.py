@@ -24,6 +24,10 @@ from harness import (
 INTERVAL_MS = 100
 
 
+def doc(d: int) -> str:
+    return f"Document {d}: " + "lorem ipsum dolor sit amet " * 150
+
+
 def start(pool, mode="override_host", concurrency=4, **extra):
     plugin = {
         "cluster": "pool",
@@ -274,15 +278,26 @@ def test_saturated_pool_sheds_sheddable_requests_only():
         assert status == 200
 
 
-def test_no_healthy_replica_is_a_503_with_the_cause():
+def test_when_every_scrape_fails_the_filter_fails_open():
     with backends(2, metrics=None) as bs, start([b.addr for b in bs], mode="original_dst") as envoy:
-        # Every metrics page is a 404: after 3 failures nobody is eligible.
+        # Every metrics page is a 404 (metrics off, a wrong path): after 3
+        # failures no replica passes its scrapes. The replicas still serve:
+        # requests are routed over both, and a document still sticks.
         assert wait_until(lambda: envoy.stat(".scrapes_failed") >= 8, timeout=5)
         assert envoy.stat(".scrapes_ok") == 0
-        status, headers, body = request(envoy.port, body=completion("hello"))
-        assert status == 503
-        assert json.loads(body)["error"]["type"] == "no_healthy_replica"
-        assert envoy.stat("prefix_router.unavailable_503") >= 1
+        assert envoy.stat("prefix_router.eligible_replicas") == 0
+        served = Counter()
+        for d in range(12):
+            for q in range(2):
+                status, headers, _ = request(envoy.port, body=completion(doc(d) + f" Q{q}?"))
+                assert status == 200
+                served[(d, headers["x-served-by"])] += 1
+        assert len(served) == 12, served
+        assert len({by for _, by in served}) == 2
+        assert envoy.stat("prefix_router.routed_blind") == 24
+        assert envoy.stat("prefix_router.unavailable_503") == 0
+        assert "no replica passed its metrics scrapes" in envoy.log()
+        assert envoy.log().count("no replica passed its metrics scrapes") == 1
 
 
 @pytest.mark.parametrize(
