@@ -71,7 +71,8 @@ pub struct Config {
     // The scraping keys, read through `scrape`.
     cluster: Option<String>,
     metrics_cluster: Option<String>,
-    metrics_path: String,
+    /// `None` until `parse` fills in the engine's (`Engine::metrics_path`).
+    metrics_path: Option<String>,
     engine: Engine,
     scrape_interval_ms: u64,
     scrape_timeout_ms: u64,
@@ -131,7 +132,7 @@ impl Default for Config {
             tick_ms: 100,
             cluster: None,
             metrics_cluster: None,
-            metrics_path: "/metrics".into(),
+            metrics_path: None,
             engine: Engine::default(),
             scrape_interval_ms: 100,
             scrape_timeout_ms: 1000,
@@ -316,6 +317,8 @@ impl Config {
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|_| ConfigError::NotUtf8)?;
         let mut config: Config = serde_json::from_str(text)?;
+        let engine = config.engine;
+        (config.metrics_path).get_or_insert_with(|| engine.metrics_path().to_string());
         config.validate()?;
         config.scrape = config.scrape_keys();
         Ok(config)
@@ -443,7 +446,7 @@ impl Config {
                 .metrics_cluster
                 .clone()
                 .or_else(|| self.cluster.clone())?,
-            path: self.metrics_path.clone(),
+            path: (self.metrics_path.clone()).unwrap_or_else(|| self.engine.metrics_path().into()),
             interval_ms: self.scrape_interval_ms,
             timeout_ms: self.scrape_timeout_ms,
             max_bytes: self.max_metrics_bytes,
@@ -844,6 +847,18 @@ mod tests {
             (100, 1000, 1 << 20)
         );
         assert_eq!(s.engine, Engine::Sglang);
+        // Each engine's own page by default: trtllm-serve's `/metrics` is
+        // JSON, its Prometheus text is under `/prometheus`.
+        for (engine, path) in [
+            ("vllm", "/metrics"),
+            ("sglang", "/metrics"),
+            ("trtllm", "/prometheus/metrics"),
+        ] {
+            let json =
+                format!(r#"{{"endpoints":["10.0.0.1:1"],"cluster":"p","engine":"{engine}"}}"#);
+            let c = Config::parse(json.as_bytes()).unwrap();
+            assert_eq!(c.scrape.unwrap().path, path, "{engine}");
+        }
         let c = Config::parse(
             br#"{"endpoints":["10.0.0.1:1"],"cluster":"pool","metrics_cluster":"direct"}"#,
         )

@@ -17,6 +17,16 @@ pub enum Engine {
 }
 
 impl Engine {
+    /// Where the engine serves its Prometheus page: trtllm-serve's
+    /// `/metrics` is JSON iteration statistics (and reading it drains
+    /// them); its Prometheus text is at `/prometheus/metrics`.
+    pub fn metrics_path(self) -> &'static str {
+        match self {
+            Engine::Vllm | Engine::Sglang => "/metrics",
+            Engine::Trtllm => "/prometheus/metrics",
+        }
+    }
+
     /// The spelling used in configuration.
     pub fn as_str(self) -> &'static str {
         match self {
