@@ -238,6 +238,14 @@ def test_production_config_is_consistent_and_production_shaped():
     policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     assert policy["typed_config"]["override_host_sources"] == [{"header": HEADER}]
+    # Scrapes go where the header says and nowhere else (no fallback), and
+    # no route leads to that cluster: only the filter's own calls.
+    scrape = cs[plugin["metrics_cluster"]]
+    assert scrape["type"] == "ORIGINAL_DST"
+    assert scrape["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": HEADER}
+    for listener in ls.values():
+        for vh in hcm(listener)["route_config"]["virtual_hosts"]:
+            assert all(r.get("route", {}).get("cluster") != plugin["metrics_cluster"] for r in vh["routes"])
     # The metrics listener only forwards two read-only paths to the admin.
     routes = hcm(ls["metrics"])["route_config"]["virtual_hosts"][0]["routes"]
     forwarded = [r["match"]["path"] for r in routes if "route" in r]
@@ -293,6 +301,25 @@ def test_production_config_routes_and_serves_only_metrics_on_its_metrics_port():
                 assert http_get(port, path, method)[0] == 404, (method, path)
             time.sleep(0.2)
             assert envoy.proc.poll() is None, "Envoy exited: the admin API leaked"
+
+
+def test_production_config_scrapes_a_replica_its_health_checks_took_out_at_its_own_address():
+    # A replica that is down: the pool's active health check takes it out,
+    # and a scrape through the pool went to the fallback, another replica
+    # answered, and its page made the dead one eligible again.
+    with backends(2, metrics=vllm_metrics()) as bs:
+        dead = f"127.0.0.1:{free_port()}"
+        pool = [dead] + [b.addr for b in bs]
+        cfg = production(pool)
+        check = clusters(cfg)["pool"]["health_checks"][0]
+        check.update(interval="0.2s", timeout="0.1s", no_traffic_interval="0.2s", unhealthy_threshold=1)
+        with Envoy(cfg) as envoy:
+            live = [stat_label(b.addr) for b in bs]
+            assert wait_until(lambda: min(envoy.stat(f"{l}.scrapes_ok") for l in live) >= 15, timeout=10)
+            assert envoy.stat("cluster.pool.health_check.failure") >= 1
+            assert envoy.stat(f"{stat_label(dead)}.scrapes_ok") == 0
+            assert envoy.stat(f"{stat_label(dead)}.scrapes_failed") >= 3
+            assert envoy.stat("prefix_router.eligible_replicas") == 2
 
 
 @pytest.mark.parametrize("failure", ["http_503", "connection_refused"])

@@ -300,6 +300,20 @@ def test_when_every_scrape_fails_the_filter_fails_open():
         assert envoy.log().count("no replica passed its metrics scrapes") == 1
 
 
+def test_a_slow_page_is_not_a_failed_scrape_before_half_the_timeout():
+    # A busy replica's metrics page can take a few hundred ms. Counted
+    # failed at each tick it was still out, a 350 ms page made its replica
+    # ineligible for the last 50 ms of every round (3 failures by 300 ms,
+    # reset by the late answer).
+    with backends(2, metrics=vllm_metrics()) as bs:
+        bs[0].metrics_delay_s = 0.35
+        with start([b.addr for b in bs]) as envoy:
+            slow = stat_label(bs[0].addr)
+            assert wait_until(lambda: envoy.stat(f"{slow}.scrapes_ok") >= 6, timeout=10)
+            assert envoy.stat(f"{slow}.scrapes_failed") == 0
+            assert envoy.stat("prefix_router.eligible_replicas") == 2
+
+
 @pytest.mark.parametrize(
     "page",
     [
