@@ -358,7 +358,8 @@ impl Config {
             ("index_stride", self.index_stride as u64, 1, self.max_blocks as u64),
             ("checkpoints_per_doubling", self.checkpoints_per_doubling.into(), 1, 64),
             ("trunk_min_new_blocks", self.trunk_min_new_blocks.into(), 1, 1 << 20),
-            ("request_cost_blocks", self.request_cost_blocks.into(), 0, 1 << 20),
+            // 0 made a full hit weigh nothing: no load ever built up.
+            ("request_cost_blocks", self.request_cost_blocks.into(), 1, 1 << 20),
             ("bounded_load_slack_blocks", self.bounded_load_slack_blocks.into(), 0, 1 << 24),
             ("tick_ms", self.tick_ms, 10, 1000),
             ("staleness_ms", self.staleness_ms, 10, 3_600_000),

@@ -940,3 +940,37 @@ fn any_gateway_count_above_one_decides_alike() {
         assert_ne!(picks(1, echo), several, "clients_echo {echo}");
     }
 }
+
+/// Questions on one long document, all in flight at once: the first
+/// that leaves the document's holder, with `n` replicas (`None`: none of
+/// `k` did).
+fn first_spill(n: usize, k: usize) -> Option<usize> {
+    let eps: Vec<String> = (1..=n).map(|i| format!("\"10.0.0.{i}:80\"")).collect();
+    let json = format!(r#"{{"endpoints":[{}]}}"#, eps.join(","));
+    let r = Router::new(Config::parse(json.as_bytes()).unwrap());
+    let s = MemStore::new();
+    let mut board = LoadBoard::new(1, 60_000);
+    let text = "Clause 17b binds every party to the schedule. ".repeat(1400);
+    let ask = |q: usize| format!(r#"{{"model":"m","prompt":"{text} Question {q}?"}}"#);
+    let home = run(&r, &s, &mut board, &ask(0)).order[0];
+    (1..=k).find(|&q| {
+        let h = hashed(&r, &ask(q));
+        let c = r.decide(&s, &h, Meta::default(), 1000).unwrap();
+        r.commit(&s, &mut board, &c, &h, 1000);
+        c.order[0] != home
+    })
+}
+
+#[test]
+fn a_hot_prefix_spills_however_few_the_replicas() {
+    // The holder keeps a few (one request is no overload, and the slack),
+    // then the load bound moves the rest; with two or three replicas it
+    // never did.
+    for n in [2, 3, 4, 8] {
+        let spill = first_spill(n, 300);
+        assert!(
+            spill.is_some_and(|q| (4..=64).contains(&q)),
+            "{n} replicas: {spill:?}"
+        );
+    }
+}
