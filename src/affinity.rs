@@ -18,6 +18,8 @@ use crate::endpoint::ReplicaId;
 const DOMAIN: &[u8] = b"prefix-router/affinity/v1";
 const MAC_BYTES: usize = 16;
 const TOKEN_BYTES: usize = 8 + 4 + MAC_BYTES;
+/// How far ahead another gateway instance's clock may be (see `verify`).
+const MAX_CLOCK_SKEW_S: i64 = 60;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum AffinityError {
@@ -64,9 +66,13 @@ pub fn verify(
     id.copy_from_slice(&raw[..8]);
     let mut t = [0u8; 4];
     t.copy_from_slice(&raw[8..12]);
-    // Issue times wrap with u32 seconds (in 2106): compare modulo 2^32.
-    let age = (now_s as u32).wrapping_sub(u32::from_be_bytes(t));
-    if u64::from(age) > max_age_s {
+    // Issue times wrap with u32 seconds (in 2106): compare modulo 2^32,
+    // as a signed age. Gateway pods' clocks differ a little: a token from
+    // an instance a second ahead read as 2^32 - 1 seconds old, so a session
+    // hopping instances lost its replica. Up to `MAX_CLOCK_SKEW_S` of
+    // negative age is accepted, and counts as zero.
+    let age = i64::from((now_s as u32).wrapping_sub(u32::from_be_bytes(t)) as i32);
+    if age < -MAX_CLOCK_SKEW_S || age.max(0) as u64 > max_age_s {
         return Err(AffinityError::Expired);
     }
     Ok(u64::from_be_bytes(id))
@@ -119,6 +125,14 @@ mod tests {
         );
         assert_eq!(
             verify(KEY, t.as_bytes(), 1_003_601, 3600),
+            Err(AffinityError::Expired)
+        );
+        // Minted by an instance whose clock is ahead: a little is skew,
+        // more is no token this instance could have been sent.
+        assert_eq!(verify(KEY, t.as_bytes(), 999_999, 3600), Ok(7));
+        assert_eq!(verify(KEY, t.as_bytes(), 999_940, 3600), Ok(7));
+        assert_eq!(
+            verify(KEY, t.as_bytes(), 999_939, 3600),
             Err(AffinityError::Expired)
         );
         for junk in [&b""[..], b"zz", &[0xff; 56], &t.as_bytes()[..55], b"0x1234"] {
