@@ -84,9 +84,12 @@ impl Health {
             None | Some("HEALTHY") | Some("UNKNOWN") | Some("DEGRADED") => true,
             Some(_) => false,
         };
-        eds_ok
-            && !self.failed_active_health_check
-            && !self.failed_outlier_check
+        eds_ok && self.listed() && !self.failed_active_health_check && !self.failed_outlier_check
+    }
+
+    /// Still in the pool, whatever its health: not leaving it.
+    fn listed(&self) -> bool {
+        self.eds_health_status.as_deref() != Some("DRAINING")
             && !self.pending_dynamic_removal
             && !self.excluded_via_immediate_hc_fail
     }
@@ -95,6 +98,13 @@ impl Health {
 /// The usable hosts of `cluster`, deduplicated, at most `MAX_ENDPOINTS`.
 /// Hosts that aren't plain IP sockets (pipes, internal listeners) are
 /// skipped: the destination header can only name `ip:port`.
+///
+/// Under half of the pool usable, every host still in it is listed, as
+/// Envoy's panic mode (at its default threshold, 50%) routes to them all:
+/// when every host fails its health checks, the check is as likely wrong
+/// (a changed `/health` path, a slow one during a model reload) as the
+/// pool down, and an empty list answered every request with a 503; with
+/// one of four usable, it took everything.
 pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, DiscoveryError> {
     let all: Clusters = serde_json::from_slice(json)?;
     let c = all
@@ -102,13 +112,22 @@ pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, Disco
         .into_iter()
         .find(|c| c.name == cluster)
         .ok_or_else(|| DiscoveryError::NoCluster(cluster.to_string()))?;
+    let (usable, listed) = hosts(c.host_statuses);
+    Ok(match usable.len() * 2 < listed.len() {
+        true => listed,
+        false => usable,
+    })
+}
+
+/// The usable hosts, and every host still listed, as endpoints.
+fn hosts(statuses: Vec<HostStatus>) -> (Vec<Endpoint>, Vec<Endpoint>) {
     let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for h in c.host_statuses {
+    let (mut usable, mut out) = (Vec::new(), Vec::new());
+    for h in statuses {
         if out.len() >= MAX_ENDPOINTS {
             break;
         }
-        if !h.health_status.usable() {
+        if !h.health_status.listed() {
             continue;
         }
         let Some(sa) = h.address.and_then(|a| a.socket_address) else {
@@ -124,11 +143,14 @@ pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, Disco
         };
         if let Ok(ep) = text.parse::<Endpoint>() {
             if seen.insert(ep.id()) {
+                if h.health_status.usable() {
+                    usable.push(ep.clone());
+                }
                 out.push(ep);
             }
         }
     }
-    Ok(out)
+    (usable, out)
 }
 
 /// The admin path that lists only `cluster`: `filter` (an RE2 match on
@@ -242,6 +264,37 @@ mod tests {
         let eps = parse_clusters(ADMIN.as_bytes(), "pool").unwrap();
         let names: Vec<&str> = eps.iter().map(|e| e.as_str()).collect();
         assert_eq!(names, vec!["10.0.0.1:8000", "[fd00::4]:8000"]);
+    }
+
+    #[test]
+    fn under_half_usable_lists_every_host_still_in_the_pool() {
+        let page = |flags: &[&str]| {
+            let hosts: Vec<String> = flags
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    format!(
+                        r#"{{"address":{{"socket_address":{{"address":"10.0.0.{i}","port_value":80}}}},"health_status":{{{f}}}}}"#
+                    )
+                })
+                .collect();
+            let json = format!(
+                r#"{{"cluster_statuses":[{{"name":"pool","host_statuses":[{}]}}]}}"#,
+                hosts.join(",")
+            );
+            let eps = parse_clusters(json.as_bytes(), "pool").unwrap();
+            eps.iter().map(|e| e.to_string()).collect::<Vec<_>>()
+        };
+        let hc = r#""failed_active_health_check":true"#;
+        let gone = r#""eds_health_status":"DRAINING""#;
+        // Every host failing its health check: all of them, not none.
+        assert_eq!(page(&[hc, hc]), ["10.0.0.0:80", "10.0.0.1:80"]);
+        // One of four usable: all four; two of four: those two.
+        assert_eq!(page(&["", hc, hc, hc]).len(), 4);
+        assert_eq!(page(&["", "", hc, hc]), ["10.0.0.0:80", "10.0.0.1:80"]);
+        // A host leaving the pool is never listed.
+        assert_eq!(page(&[hc, gone]), ["10.0.0.0:80"]);
+        assert!(page(&[gone, gone]).is_empty());
     }
 
     #[test]
