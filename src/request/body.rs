@@ -10,6 +10,8 @@
 
 use std::borrow::Cow;
 
+use xxhash_rust::xxh3::xxh3_64;
+
 use super::json::{JsonError, Reader};
 
 /// Prompt text as the body spells it (escapes kept).
@@ -46,9 +48,20 @@ pub(super) struct Message<'a> {
 
 pub(super) enum Content<'a> {
     Text(Text<'a>),
-    /// The text of each text part. Other parts (images, audio) have no
-    /// `text` and are left out: their bytes don't identify a text prefix.
-    Parts(Vec<Text<'a>>),
+    Parts(Vec<Part<'a>>),
+}
+
+/// A content part: its text, or for one without (an image, audio, a
+/// file) a digest of the part as spelled. The model server's cache for a
+/// prompt holds the image's tokens too: left out, two requests that
+/// differ only in their image read as one prefix, and the second was
+/// credited to the first one's replica in full. A digest, not the bytes:
+/// a base64 image would count as tens of thousands of blocks of prefill,
+/// where the server spends a few thousand tokens on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part<'a> {
+    Text(Text<'a>),
+    Other(u64),
 }
 
 /// The Responses API's `input`.
@@ -160,17 +173,15 @@ fn message<'a>(r: &mut Reader<'a>) -> Result<Message<'a>, JsonError> {
 fn content<'a>(r: &mut Reader<'a>) -> Result<Content<'a>, JsonError> {
     match r.peek() {
         Some(b'"') => text(r).map(Content::Text),
-        Some(b'[') => {
-            let parts = list(r, STRUCTURED, part)?;
-            Ok(Content::Parts(parts.into_iter().flatten().collect()))
-        }
+        Some(b'[') => list(r, STRUCTURED, part).map(Content::Parts),
         _ => Err(r.error("a string or an array of content parts")),
     }
 }
 
-/// A content part's text, if it has one.
-fn part<'a>(r: &mut Reader<'a>) -> Result<Option<Text<'a>>, JsonError> {
+/// A content part: its text, or a digest of a part without one.
+fn part<'a>(r: &mut Reader<'a>) -> Result<Part<'a>, JsonError> {
     let mut t = None;
+    let start = r.at();
     r.object(|r, key| {
         if *key.key(r.at())? == *b"text" {
             t = nullable(r, text)?;
@@ -179,7 +190,10 @@ fn part<'a>(r: &mut Reader<'a>) -> Result<Option<Text<'a>>, JsonError> {
         }
         Ok(())
     })?;
-    Ok(t)
+    Ok(match t {
+        Some(t) => Part::Text(t),
+        None => Part::Other(xxh3_64(r.since(start).trim_ascii())),
+    })
 }
 
 fn input<'a>(r: &mut Reader<'a>) -> Result<InputField<'a>, JsonError> {

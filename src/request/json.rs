@@ -133,6 +133,11 @@ impl<'a> Reader<'a> {
         self.at
     }
 
+    /// The bytes read since `start` (an earlier `at()`), as spelled.
+    pub(super) fn since(&self, start: usize) -> &'a [u8] {
+        self.b.get(start..self.at).unwrap_or_default()
+    }
+
     pub(super) fn error(&self, expected: &'static str) -> JsonError {
         JsonError {
             at: self.at,

@@ -8,7 +8,7 @@
 mod body;
 mod json;
 
-use body::{Content, InputField, PromptField};
+use body::{Content, InputField, Part, PromptField};
 pub use json::JsonError;
 use thiserror::Error;
 
@@ -285,8 +285,11 @@ impl<S: Sink> Render<S> {
         match content {
             Some(Content::Text(t)) => self.push(t),
             Some(Content::Parts(parts)) => {
-                for t in parts {
-                    self.push(t);
+                for p in parts {
+                    match p {
+                        Part::Text(t) => self.push(t),
+                        Part::Other(digest) => self.push_all(&[b"\x1d", &digest.to_le_bytes()]),
+                    }
                 }
             }
             None => {}
@@ -299,7 +302,13 @@ impl<S: Sink> Render<S> {
 fn content_len(c: Option<&Content>) -> usize {
     match c {
         Some(Content::Text(t)) => t.len(),
-        Some(Content::Parts(parts)) => parts.iter().map(|t| t.len()).sum(),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .map(|p| match p {
+                Part::Text(t) => t.len(),
+                Part::Other(_) => 9,
+            })
+            .sum(),
         None => 0,
     }
 }
@@ -479,10 +488,36 @@ mod tests {
             r#"{"messages":[{"role":"system","content":"be brief"},
             {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"!"}]}]}"#,
         );
-        assert_eq!(
-            t,
-            b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi!\x1f3"
-        );
+        let image = xxhash_rust::xxh3::xxh3_64(br#"{"type":"image_url","image_url":{"url":"x"}}"#);
+        let want = [
+            &b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi\x1d"[..],
+            &image.to_le_bytes(),
+            b"!\x1f12",
+        ]
+        .concat();
+        assert_eq!(t, want);
+    }
+
+    #[test]
+    fn an_image_is_part_of_the_prefix_by_its_digest() {
+        let ask = |url: &str| {
+            text(&format!(
+                r#"{{"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"{url}"}}}},{{"type":"text","text":"What is in this picture?"}}]}}]}}"#
+            ))
+        };
+        let big = format!("data:image/png;base64,{}", "iVBORw0KGgo".repeat(50_000));
+        let (a, b) = (ask(&big), ask(&format!("{big}A")));
+        assert_ne!(a, b, "two images, one question: two prompts");
+        assert_eq!(a, ask(&big), "the same image: the same prompt");
+        // A digest, not the bytes: a 550 KB image renders in a few bytes.
+        assert!(a.len() < 100, "{}", a.len());
+        // Responses API input items the same.
+        let input = |url: &str| {
+            text(&format!(
+                r#"{{"input":[{{"role":"user","content":[{{"type":"input_image","image_url":"{url}"}},{{"type":"input_text","text":"Describe it."}}]}}]}}"#
+            ))
+        };
+        assert_ne!(input("data:one"), input("data:two"));
     }
 
     #[test]
