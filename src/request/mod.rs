@@ -100,10 +100,7 @@ pub fn extract_into<S: Sink>(
     let b = body::read(body)?;
     let mut header = Header {
         model: truncate_str(b.model.as_deref().unwrap_or(""), MAX_MODEL_BYTES).to_string(),
-        cache_salt: b
-            .cache_salt
-            .as_deref()
-            .map(|s| truncate_str(s, MAX_MODEL_BYTES).to_string()),
+        cache_salt: b.cache_salt.as_deref().map(salt),
         lead_bytes: 0,
         own_messages: 0,
     };
@@ -297,6 +294,18 @@ impl<S: Sink> Render<S> {
         self.push(calls);
         self.push_all(&[b"\x1f", itoa::Buffer::new().format(len).as_bytes()]);
     }
+}
+
+/// The salt as kept: a long one by a digest of all of it (cut short, two
+/// tenants' salts that share their first 256 bytes shared their prefixes).
+fn salt(s: &str) -> String {
+    if s.len() <= MAX_MODEL_BYTES {
+        return s.to_string();
+    }
+    format!(
+        "xxh3-128:{:032x}",
+        xxhash_rust::xxh3::xxh3_128(s.as_bytes())
+    )
 }
 
 fn content_len(c: Option<&Content>) -> usize {
@@ -673,6 +682,19 @@ mod tests {
         assert_eq!(extract(toks.as_bytes(), 4).unwrap().text, b"7 7 ");
         let toks = format!(r#"{{"prompt":[{}]}}"#, items(KEPT_UNITS + 1, "7"));
         assert!(extract(toks.as_bytes(), 4).is_err());
+    }
+
+    #[test]
+    fn long_salts_are_kept_whole_by_their_digest() {
+        let salted = |salt: &str| {
+            let body = format!(r#"{{"model":"m","cache_salt":"{salt}","prompt":"x"}}"#);
+            extract(body.as_bytes(), 10).unwrap().cache_salt.unwrap()
+        };
+        let long = "tenant-".repeat(100);
+        let (a, b) = (salted(&format!("{long}a")), salted(&format!("{long}b")));
+        assert_ne!(a, b);
+        assert!(a.len() <= MAX_MODEL_BYTES);
+        assert_eq!(salted("short"), "short");
     }
 
     #[test]
