@@ -376,7 +376,13 @@ impl Router {
         let ask = score::Ask {
             blocks,
             trunk: depth.trunk,
-            placement: depth.key,
+            // No prompt, no key: ties would go to the same replica on
+            // every worker and instance (1,000 GETs in a row, all to one of
+            // eight). The clock spreads them instead.
+            placement: match hashed.is_empty() {
+                true => xxhash_rust::xxh3::xxh3_64(&now_ms.to_le_bytes()),
+                false => depth.key,
+            },
             later_turn: hashed.later_turn,
         };
         let ranked = score::rank_below(&cands, &ask, &self.params);

@@ -974,3 +974,18 @@ fn a_hot_prefix_spills_however_few_the_replicas() {
         );
     }
 }
+
+#[test]
+fn requests_without_a_prompt_spread_when_loads_tie() {
+    let r = router("");
+    let s = MemStore::new();
+    let picked: HashSet<usize> = (0..200u64)
+        .map(|t| {
+            let c = r
+                .decide(&s, &Hashed::default(), Meta::default(), 1000 + t)
+                .unwrap();
+            c.order[0]
+        })
+        .collect();
+    assert_eq!(picked.len(), r.endpoints().len());
+}
