@@ -406,12 +406,11 @@ impl Config {
         range("scrape_timeout_ms", s.timeout_ms, 10, 600_000)?;
         range("max_metrics_bytes", s.max_bytes as u64, 1024, 64 << 20)?;
         // A round scrapes every replica at once, so with rounds further
-        // apart than this every row went stale together between them (a
-        // blind pool for part of each round), and a scraper's handover
-        // (up to three intervals) did the same.
-        if self.staleness_ms < 3 * s.interval_ms {
+        // apart than this every row went stale together between them: a
+        // blind pool for part of each round.
+        if self.staleness_ms < 2 * s.interval_ms {
             let why = format!(
-                "{} ms is under 3 x `scrape_interval_ms` ({} ms): every replica would go stale between scrapes",
+                "{} ms is under 2 x `scrape_interval_ms` ({} ms): every replica would go stale between scrapes",
                 self.staleness_ms, s.interval_ms
             );
             return Err(invalid("staleness_ms", why));
@@ -624,7 +623,7 @@ mod tests {
     }
 
     #[test]
-    fn staleness_must_outlast_three_scrape_intervals() {
+    fn staleness_must_outlast_two_scrape_intervals() {
         let cfg = |interval: u64, staleness: u64| {
             format!(
                 r#"{{"endpoints":["10.0.0.1:80"],"cluster":"pool","scrape_interval_ms":{interval},"staleness_ms":{staleness}}}"#
@@ -635,8 +634,8 @@ mod tests {
             e.contains("`staleness_ms`") && e.contains("scrape_interval_ms"),
             "{e}"
         );
-        assert!(Config::parse(cfg(1000, 3000).as_bytes()).is_ok());
-        assert!(Config::parse(cfg(1000, 2999).as_bytes()).is_err());
+        assert!(Config::parse(cfg(1000, 2000).as_bytes()).is_ok());
+        assert!(Config::parse(cfg(1000, 1999).as_bytes()).is_err());
         // Without scraping there is nothing to go stale.
         let quiet = r#"{"endpoints":["10.0.0.1:80"],"scrape_interval_ms":5000}"#;
         assert!(Config::parse(quiet.as_bytes()).is_ok());
