@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib.metadata
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -243,6 +245,10 @@ def venv_tool(name: str) -> str | None:
 AFFINITY_HEADER = "x-prefix-router-affinity"
 # Extra prefix-router plugin keys from --plugin (tuning experiments).
 PLUGIN_EXTRA: dict = {}
+# Extra command-line arguments per peer router (`--sglang-args`,
+# `--vllm-router-args`): their cache_aware thresholds, say, tuned as their
+# docs advise for the workload.
+PEER_ARGS: dict[str, list[str]] = {"sglang-router": [], "vllm-router": []}
 # The wasm module under test (--wasm; default: scripts/build's).
 WASM_PATH: list[Path] = [harness.WASM]
 # Envoy's per-connection buffer limit (listener). The filter buffers the
@@ -462,6 +468,7 @@ class Router:
                    "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1",
                    "--log-level", "warning", "--worker-startup-timeout-secs", "30",
                    "--worker-startup-check-interval", "1"]
+        cmd += PEER_ARGS[self.kind]
         self.logfile = tempfile.NamedTemporaryFile(prefix=f"bench-{self.kind}-", suffix=".log", delete=False)
         self.proc = own(subprocess.Popen(cmd, stdout=self.logfile, stderr=subprocess.STDOUT, cwd=ROOT))
         self.stack.callback(kill, self.proc)
@@ -765,6 +772,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"prefix-router module to run (default {harness.WASM.relative_to(ROOT)})")
     ap.add_argument("--plugin", default="{}",
                     help="JSON object of extra prefix-router plugin keys, e.g. '{\"bounded_load_factor\": 2}'")
+    ap.add_argument("--sglang-args", default="",
+                    help="extra arguments for sglang-router (smg), e.g. '--cache-threshold 0.8 --balance-abs-threshold 4'")
+    ap.add_argument("--vllm-router-args", default="", help="extra arguments for vllm-router")
     ap.add_argument("--max-run-seconds", type=float, default=300.0, help="real seconds of sending per run")
     ap.add_argument("--drain-seconds", type=float, default=120.0)
     ap.add_argument("--out", type=Path, default=None, help="results directory (default bench/results/<timestamp>)")
@@ -772,6 +782,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--demo", action="store_true",
                     help="short: prefix-router vs round robin on shared-prefix (~1 minute)")
     return ap
+
+
+def peer_info() -> dict:
+    """Each peer router's installed version and the extra arguments it
+    runs with, for the report."""
+    out = {}
+    for kind, dist in (("sglang-router", "smg"), ("vllm-router", "vllm-router")):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        out[kind] = {"package": dist, "version": version, "args": PEER_ARGS[kind]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -782,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         PLUGIN_EXTRA.update(json.loads(a.plugin))
     except (ValueError, TypeError) as e:
         ap.error(f"--plugin: not a JSON object: {e}")
+    PEER_ARGS["sglang-router"] = shlex.split(a.sglang_args)
+    PEER_ARGS["vllm-router"] = shlex.split(a.vllm_router_args)
     if a.affinity:
         # Every instance gets the same key, as an operator's secret store
         # would give it; the load generator's conversations and sessions
@@ -814,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     (outdir / "runs").mkdir(parents=True, exist_ok=True)
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv,
                "envoy_concurrency": a.envoy_concurrency, "envoy_instances": a.envoy_instances,
-               "wasm": module_info(WASM_PATH[0]), "workloads": {}}
+               "wasm": module_info(WASM_PATH[0]), "peers": peer_info(), "workloads": {}}
     t_start = time.time()
     for w in workloads:
         prof = profiles(a)[w]

@@ -121,6 +121,11 @@ def render(results: dict) -> str:
         out.append(f"prefix-router module: `{wasm['path']}` ({wasm['bytes']:,} bytes, sha256 {wasm['sha256']}..., "
                    f"built {wasm['mtime']} UTC).")
         out.append("")
+    peers = [f"{kind}: {p['package']} {p['version']}" + (f" `{' '.join(p['args'])}`" if p["args"] else " (defaults)")
+             for kind, p in (results.get("peers") or {}).items() if p.get("version")]
+    if peers:
+        out.append("Peers: " + "; ".join(peers) + ".")
+        out.append("")
     if results.get("commands"):
         out.append("Merged from: " + "; ".join(f"`{c}`" for c in results["commands"]) + ".")
         out.append("")
