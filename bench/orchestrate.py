@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import shlex
 import shutil
@@ -162,9 +163,19 @@ class Sim:
     def __exit__(self, *exc):
         kill(self.proc)
 
-    def reset(self) -> None:
+    def reset(self, timeout_s: float = 60.0) -> None:
+        """Empty every replica's cache and counters. A replica still
+        serving the last run's requests keeps their blocks (they'd be
+        cached for the next router): wait until it has none in flight."""
+        deadline = time.time() + timeout_s
         for a in self.addrs:
-            http("POST", f"http://{a}/reset", b"{}", timeout=30)
+            while True:
+                answer = json.loads(http("POST", f"http://{a}/reset", b"{}", timeout=30))
+                if answer.get("in_flight", 0) == 0 and answer.get("cache_cleared", True):
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"replica {a} still has requests in flight after {timeout_s:.0f} s: {answer}")
+                time.sleep(0.5)
 
     def metrics(self) -> dict[str, dict[str, float]]:
         return {a: prom_sums(http("GET", f"http://{a}/metrics", timeout=5)) for a in self.addrs}
@@ -181,6 +192,14 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 5.0)
         req.add_header("content-type", "application/json")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read().decode(errors="replace")
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values by nearest rank, as the load
+    generator computes its own (bench/src/stats.rs), so the report's
+    columns agree."""
+    rank = math.ceil(q * len(ordered))
+    return ordered[min(max(rank, 1), len(ordered)) - 1]
 
 
 def prom_sums(text: str) -> dict[str, float]:
@@ -305,7 +324,7 @@ def later_turns_ttft(doc: dict, time_scale: float) -> dict | None:
     if not later:
         return None
     later.sort()
-    pick = lambda q: later[min(len(later) - 1, round((len(later) - 1) * q))]  # noqa: E731
+    pick = lambda q: nearest_rank(later, q)  # noqa: E731
     return {"n": len(later), "mean": sum(later) / len(later), "p50": pick(0.5), "p95": pick(0.95)}
 
 
@@ -328,7 +347,7 @@ def warm_ttft(doc: dict, time_scale: float, skip: float = 0.25) -> dict | None:
     warm = sorted(r["ttft_ms"] / time_scale for r in recs if r["start_s"] >= cut)
     if not warm:
         return None
-    pick = lambda q: warm[min(len(warm) - 1, round((len(warm) - 1) * q))]  # noqa: E731
+    pick = lambda q: nearest_rank(warm, q)  # noqa: E731
     return {"n": len(warm), "skip": skip, "after_s": (cut - t0) / time_scale,
             "mean": sum(warm) / len(warm), "p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99)}
 

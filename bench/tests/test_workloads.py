@@ -179,6 +179,14 @@ def test_warm_ttft_skips_the_first_quarter():
     assert "Warm only" in md and "| x | 75 |" in md
 
 
+def test_percentiles_are_by_nearest_rank_as_the_load_generator_reports():
+    ordered = [float(v) for v in range(1, 21)]  # 1..20
+    assert orchestrate.nearest_rank(ordered, 0.95) == 19.0  # ceil(0.95 * 20) = 19th
+    assert orchestrate.nearest_rank(ordered, 0.5) == 10.0
+    assert orchestrate.nearest_rank(ordered, 0.0) == 1.0 and orchestrate.nearest_rank(ordered, 1.0) == 20.0
+    assert orchestrate.nearest_rank([7.0], 0.99) == 7.0
+
+
 def test_key_affinity():
     recs = [{"ok": True, "key": "a", "served_by": "r1"}] * 3 + [{"ok": True, "key": "a", "served_by": "r2"},
                                                                 {"ok": True, "key": "b", "served_by": "r2"},
