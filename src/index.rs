@@ -281,13 +281,16 @@ impl PrefixIndex {
         now_s: u32,
     ) -> RecordStats {
         self.write_each(store, cps, 0, |entries, cp, child| {
-            let outcome = stamp(entries, cp.hash, child, to, now_s);
+            // `from` leaves before `to` joins: in a full entry, `to`
+            // joining first evicted the oldest other holder, and then
+            // `from` left too, so a replica that still held the
+            // checkpoint lost it.
             if cp.blocks > from_held {
                 if let Some(e) = entries.iter_mut().find(|e| e.hash == cp.hash) {
                     e.holders.retain(|h| h.id != from);
                 }
             }
-            outcome
+            stamp(entries, cp.hash, child, to, now_s)
         })
     }
 
@@ -650,6 +653,22 @@ mod tests {
         idx.moved(&s, &long, 2, 0, 1, 104);
         let m = idx.lookup(&s, &long);
         assert_eq!((m.get(1), m.get(2), m.get(3)), (64, 0, 40));
+    }
+
+    #[test]
+    fn a_move_into_a_full_entry_keeps_every_other_holder() {
+        let s = MemStore::new();
+        let idx = PrefixIndex::new(4096);
+        let doc = hashes("doc-two ", 32);
+        // Four replicas hold it (a full entry), the oldest first; replica
+        // 4 was credited last and replica 9 served it.
+        for (r, t) in [(1, 90), (2, 95), (3, 98), (4, 100)] {
+            idx.record(&s, &doc, r, 0, 0, t);
+        }
+        idx.moved(&s, &doc, 4, 0, 9, 101);
+        let m = idx.lookup(&s, &doc);
+        let held: Vec<u32> = [1, 2, 3, 4, 9].iter().map(|&r| m.get(r)).collect();
+        assert_eq!(held, [32, 32, 32, 0, 32]);
     }
 
     #[test]
