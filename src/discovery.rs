@@ -112,45 +112,71 @@ pub fn parse_clusters(json: &[u8], cluster: &str) -> Result<Vec<Endpoint>, Disco
         .into_iter()
         .find(|c| c.name == cluster)
         .ok_or_else(|| DiscoveryError::NoCluster(cluster.to_string()))?;
-    let (usable, listed) = hosts(c.host_statuses);
-    Ok(match usable.len() * 2 < listed.len() {
-        true => listed,
-        false => usable,
+    let h = hosts(c.host_statuses);
+    Ok(match h.usable_n * 2 < h.listed_n {
+        true => h.listed,
+        false => h.usable,
     })
 }
 
-/// The usable hosts, and every host still listed, as endpoints.
-fn hosts(statuses: Vec<HostStatus>) -> (Vec<Endpoint>, Vec<Endpoint>) {
+/// A pool's hosts as endpoints: the usable ones and every one still
+/// listed, each list at most `MAX_ENDPOINTS`, and how many there are of
+/// each in the whole pool.
+struct Hosts {
+    usable: Vec<Endpoint>,
+    listed: Vec<Endpoint>,
+    /// Counted past the cap: with one list of both, a pool whose first
+    /// 1,024 hosts failed their health checks had no usable host, and
+    /// panic mode listed only failing ones.
+    usable_n: usize,
+    listed_n: usize,
+}
+
+fn hosts(statuses: Vec<HostStatus>) -> Hosts {
     let mut seen = HashSet::new();
-    let (mut usable, mut out) = (Vec::new(), Vec::new());
-    for h in statuses {
-        if out.len() >= MAX_ENDPOINTS {
-            break;
-        }
-        if !h.health_status.listed() {
+    let mut h = Hosts {
+        usable: Vec::new(),
+        listed: Vec::new(),
+        usable_n: 0,
+        listed_n: 0,
+    };
+    for status in statuses {
+        if !status.health_status.listed() {
             continue;
         }
-        let Some(sa) = h.address.and_then(|a| a.socket_address) else {
+        let Some(ep) = status.address.and_then(endpoint) else {
             continue;
         };
-        if sa.port_value == 0 || sa.port_value > u16::MAX as u32 {
+        if !seen.insert(ep.id()) {
             continue;
         }
-        let text = if sa.address.contains(':') {
-            format!("[{}]:{}", sa.address, sa.port_value)
-        } else {
-            format!("{}:{}", sa.address, sa.port_value)
-        };
-        if let Ok(ep) = text.parse::<Endpoint>() {
-            if seen.insert(ep.id()) {
-                if h.health_status.usable() {
-                    usable.push(ep.clone());
-                }
-                out.push(ep);
+        h.listed_n += 1;
+        if status.health_status.usable() {
+            h.usable_n += 1;
+            if h.usable.len() < MAX_ENDPOINTS {
+                h.usable.push(ep.clone());
             }
         }
+        if h.listed.len() < MAX_ENDPOINTS {
+            h.listed.push(ep);
+        }
     }
-    (usable, out)
+    h
+}
+
+/// A socket address of the admin page as an endpoint (`None`: a pipe, a
+/// port out of range, an address that doesn't parse).
+fn endpoint(a: Address) -> Option<Endpoint> {
+    let sa = a.socket_address?;
+    if sa.port_value == 0 || sa.port_value > u16::MAX as u32 {
+        return None;
+    }
+    let text = if sa.address.contains(':') {
+        format!("[{}]:{}", sa.address, sa.port_value)
+    } else {
+        format!("{}:{}", sa.address, sa.port_value)
+    };
+    text.parse().ok()
 }
 
 /// The admin path that lists only `cluster`: `filter` (an RE2 match on
@@ -295,6 +321,30 @@ mod tests {
         // A host leaving the pool is never listed.
         assert_eq!(page(&[hc, gone]), ["10.0.0.0:80"]);
         assert!(page(&[gone, gone]).is_empty());
+    }
+
+    #[test]
+    fn a_pool_over_the_cap_is_judged_whole() {
+        // 1,024 failing hosts listed first, then 1,100 healthy ones:
+        // more than half usable, so the healthy ones (capped), not panic
+        // mode over the failing ones.
+        let host = |net: u8, i: usize, flags: &str| {
+            format!(
+                r#"{{"address":{{"socket_address":{{"address":"10.{net}.{}.{}","port_value":80}}}},"health_status":{{{flags}}}}}"#,
+                i / 256,
+                i % 256
+            )
+        };
+        let hc = r#""failed_active_health_check":true"#;
+        let mut hosts: Vec<String> = (0..MAX_ENDPOINTS).map(|i| host(1, i, hc)).collect();
+        hosts.extend((0..1100).map(|i| host(2, i, "")));
+        let json = format!(
+            r#"{{"cluster_statuses":[{{"name":"pool","host_statuses":[{}]}}]}}"#,
+            hosts.join(",")
+        );
+        let eps = parse_clusters(json.as_bytes(), "pool").unwrap();
+        assert_eq!(eps.len(), MAX_ENDPOINTS);
+        assert!(eps.iter().all(|e| e.as_str().starts_with("10.2.")));
     }
 
     #[test]
