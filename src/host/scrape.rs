@@ -170,7 +170,7 @@ impl Scraper {
     fn scrape(&mut self, ep: &Endpoint, scrape: &Scrape, destination_header: &str, now_ms: u64) {
         if let Some(&sent) = self.busy.get(&ep.id()) {
             // Still no answer after half the timeout: count a failure at
-            // each tick from then on (a page that stalls after its headers
+            // each scrape round from then on (a page that stalls after its headers
             // would otherwise keep the replica eligible until the timeout
             // ends it, three times over). Not sooner: counted from the
             // first tick, a page that took over `unhealthy_after`
