@@ -187,6 +187,31 @@ def test_percentiles_are_by_nearest_rank_as_the_load_generator_reports():
     assert orchestrate.nearest_rank([7.0], 0.99) == 7.0
 
 
+def test_session_floor_counts_as_many_cold_first_turns_as_replicas():
+    import session_floor
+
+    def rec(key, t, ms, r):
+        return {"ok": True, "key": key, "start_s": t, "ttft_ms": ms, "served_by": r}
+
+    # Eight sessions, a replica each: first turns 1,600 real ms (cold),
+    # then 10 later turns of 100..109 ms each; time scale 0.25.
+    recs = []
+    for s in range(8):
+        recs.append(rec(f"s{s}", s, 1600.0, f"r{s}"))
+        recs += [rec(f"s{s}", 10 + t, 100.0 + t, f"r{s}") for t in range(10)]
+    out = session_floor.session_floor({"records": recs}, 0.25, 4)
+    # 88 requests, the p95 is the 84th: on 4 replicas 4 free first turns
+    # and 80 later turns (up to 436 ms) come before the 4 cold ones.
+    assert (out["requests"], out["later_max_ms"]) == (88, 436.0)
+    assert out["p95_floor_ms"] == 436.0
+    # On 8 replicas all eight first turns are cold and the 84th is one.
+    assert session_floor.session_floor({"records": recs}, 0.25, 8)["p95_floor_ms"] == 6400.0
+    # A replica that served two sessions: refused, its turns could have waited.
+    recs.append(rec("s1", 99, 100.0, "r0"))
+    with pytest.raises(ValueError, match="r0"):
+        session_floor.session_floor({"records": recs}, 0.25, 4)
+
+
 def test_key_affinity():
     recs = [{"ok": True, "key": "a", "served_by": "r1"}] * 3 + [{"ok": True, "key": "a", "served_by": "r2"},
                                                                 {"ok": True, "key": "b", "served_by": "r2"},
