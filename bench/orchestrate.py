@@ -311,16 +311,22 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: i
 SESSION_WORKLOADS = ("multi-turn", "agentic")
 
 
+def turns_ttft(doc: dict, time_scale: float) -> tuple[list[float], list[float]]:
+    """TTFTs (simulated ms) of the successful requests, split into each
+    conversation's or session's first turn and its later turns."""
+    recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
+    seen, first, later = set(), [], []
+    for r in recs:
+        (later if r.get("key") in seen else first).append(r["ttft_ms"] / time_scale)
+        seen.add(r.get("key"))
+    return first, later
+
+
 def later_turns_ttft(doc: dict, time_scale: float) -> dict | None:
     """TTFT percentiles (simulated ms) over turns 2+ of every conversation
     or agent session: the first turn is a cold prefill for any router, so
     this is the part routing decides."""
-    recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
-    seen, later = set(), []
-    for r in recs:
-        if r.get("key") in seen:
-            later.append(r["ttft_ms"] / time_scale)
-        seen.add(r.get("key"))
+    _, later = turns_ttft(doc, time_scale)
     if not later:
         return None
     later.sort()

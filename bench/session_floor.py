@@ -26,20 +26,16 @@ import orchestrate
 def session_floor(doc: dict, time_scale: float, replicas: int) -> dict:
     """Floor of the TTFT p95 (simulated ms) on `replicas` replicas, and
     the later turns' p95 and maximum it rests on."""
-    recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
-    if not recs:
-        raise ValueError("no successful requests in the run")
     sessions = defaultdict(set)
-    for r in recs:
-        sessions[r["served_by"]].add(r["key"])
+    for r in doc.get("records", []):
+        if r.get("ok"):
+            sessions[r["served_by"]].add(r["key"])
+    if not sessions:
+        raise ValueError("no successful requests in the run")
     shared = sorted(rep for rep, keys in sessions.items() if len(keys) > 1)
     if shared:
         raise ValueError(f"replicas served more than one session: {', '.join(shared)}")
-    seen, first, later = set(), [], []
-    for r in recs:
-        ms = r["ttft_ms"] / time_scale
-        (later if r["key"] in seen else first).append(ms)
-        seen.add(r["key"])
+    first, later = orchestrate.turns_ttft(doc, time_scale)
     cold = sorted(first, reverse=True)[:replicas]
     floor = sorted(later + cold + [0.0] * (len(first) - len(cold)))
     later.sort()

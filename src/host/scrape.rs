@@ -170,9 +170,9 @@ impl Scraper {
     fn scrape(&mut self, ep: &Endpoint, scrape: &Scrape, destination_header: &str, now_ms: u64) {
         if let Some(&sent) = self.busy.get(&ep.id()) {
             // Still no answer after half the timeout: count a failure at
-            // each scrape round from then on (a page that stalls after its headers
-            // would otherwise keep the replica eligible until the timeout
-            // ends it, three times over). Not sooner: counted from the
+            // each scrape round from then on (a page that stalls after its
+            // headers would otherwise keep the replica eligible until the
+            // timeout ends it, three times over). Not sooner: counted from the
             // first tick, a page that took over `unhealthy_after`
             // intervals (300 ms by default) made its replica ineligible
             // until each late answer reset the count, 12% of the time at
