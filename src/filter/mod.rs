@@ -383,7 +383,24 @@ fn decide<H: Host>(
     now: u64,
 ) -> Result<(Choice, Option<Diagnostics>), Reject> {
     let cfg = &w.router.config;
-    if cfg.debug_header || cfg.mode == Mode::Shadow {
+    if cfg.mode == Mode::Shadow {
+        // Shadow mode only records: the baseline it stands in for never
+        // sheds, so a request prefix-router would shed is counted and
+        // routed.
+        let explained = |meta| w.router.decide_explained(h.store(), hashed, meta, now);
+        return match explained(meta) {
+            Err(r) if r.status == 429 => {
+                w.stats.shadow_would_shed.inc(h);
+                explained(Meta {
+                    sheddable: false,
+                    ..meta
+                })
+            }
+            other => other,
+        }
+        .map(|(c, d)| (c, Some(d)));
+    }
+    if cfg.debug_header {
         w.router
             .decide_explained(h.store(), hashed, meta, now)
             .map(|(c, d)| (c, Some(d)))

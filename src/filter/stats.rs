@@ -169,6 +169,7 @@ pub struct Stats {
     pub shadow_matched: Metric,
     pub shadow_baseline_matched: Metric,
     pub shadow_agree: Metric,
+    pub shadow_would_shed: Metric,
     pub unavailable_503: Metric,
     /// Requests Envoy served on another replica than the pick (a retry,
     /// the header's next address, the fallback policy).
@@ -218,6 +219,7 @@ impl Stats {
             shadow_matched: c("shadow.matched_blocks_total"),
             shadow_baseline_matched: c("shadow.baseline_matched_blocks_total"),
             shadow_agree: c("shadow.agree"),
+            shadow_would_shed: c("shadow.would_shed"),
             unavailable_503: c("unavailable_503"),
             served_elsewhere: c("served_elsewhere"),
             routed_blind: c("routed_blind"),

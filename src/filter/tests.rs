@@ -734,3 +734,35 @@ fn every_stat_the_filter_defines_is_documented() {
         );
     }
 }
+
+/// Shadow mode only records what prefix-router would do: a sheddable
+/// request it would refuse on saturated replicas is routed with the
+/// baseline (which never sheds) and counted, while route mode sheds it.
+#[test]
+fn shadow_mode_counts_what_it_would_shed_and_routes_it() {
+    let answer = |mode: &str| {
+        let fake = Fake::new();
+        let w = worker(&fake, &format!(r#","cluster":"pool","mode":"{mode}""#));
+        let ids: Vec<ReplicaId> = POOL.iter().map(|e| id_of(e)).collect();
+        let busy = ReplicaMetrics {
+            waiting: 9.0,
+            ..ReplicaMetrics::default()
+        };
+        for &id in &ids {
+            record_scrape(&fake.store, id, Ok(&busy), &ids, fake.now.get()).unwrap();
+        }
+        let body = doc(1);
+        let mut headers = POST.to_vec();
+        headers.push(("x-prefix-router-priority", b"sheddable"));
+        fake.start(&headers, &body);
+        let mut s = HttpFilter::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+        let action = s.on_request_body(&fake, body.len(), true);
+        let replies: Vec<u32> = fake.replies.borrow().iter().map(|r| r.status).collect();
+        let routed = fake.header(Map::Request, DEST).is_some();
+        let would_shed = fake.stat("shadow.would_shed");
+        (action, replies, routed, would_shed)
+    };
+    assert_eq!(answer("route"), (Action::Pause, vec![429], false, 0));
+    assert_eq!(answer("shadow"), (Action::Continue, vec![], true, 1));
+}
