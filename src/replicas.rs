@@ -88,16 +88,20 @@ impl CacheRate {
 
     /// Take the counters of a scrape `elapsed_ms` after the last one. A
     /// counter that went down (the server restarted) starts a new baseline.
+    /// Old lookups decay whatever the page says: a replica whose pages
+    /// stopped carrying the counters (another engine on the address) kept
+    /// the rate it last measured, and stayed judged by it for as long.
     fn observe(&mut self, now: Option<CacheCounters>, elapsed_ms: u64) {
         let keep = 0.5f64.powf(elapsed_ms as f64 / HIT_RATE_HALF_LIFE_MS as f64);
+        let (mut dq, mut dh) = (0.0, 0.0);
         if let (Some(before), Some(now)) = (self.last, now) {
             if now.queries >= before.queries && now.hits >= before.hits {
-                let dq = now.queries - before.queries;
-                let dh = (now.hits - before.hits).min(dq);
-                self.queries = tokens(f64::from(self.queries) * keep + dq);
-                self.hits = tokens(f64::from(self.hits) * keep + dh).min(self.queries);
+                dq = now.queries - before.queries;
+                dh = (now.hits - before.hits).min(dq);
             }
         }
+        self.queries = tokens(f64::from(self.queries) * keep + dq);
+        self.hits = tokens(f64::from(self.hits) * keep + dh).min(self.queries);
         self.last = now;
     }
 
@@ -562,6 +566,40 @@ mod tests {
         let r = Table::load(&s).row(1).unwrap().cache;
         assert!(r.hit_rate().is_some());
         assert_eq!(r, CacheRate { last: None, ..r });
+    }
+
+    /// Pages that stop carrying the prefix-cache counters (another engine
+    /// on the address) leave the rate to decay: ten minutes later the
+    /// replica is no longer judged on what it measured before.
+    #[test]
+    fn a_rate_without_counters_decays_away() {
+        let s = MemStore::new();
+        let page = |cache: Option<CacheCounters>| ReplicaMetrics {
+            cache,
+            ..ReplicaMetrics::default()
+        };
+        let c = |q: f64, h: f64| {
+            Some(CacheCounters {
+                queries: q,
+                hits: h,
+            })
+        };
+        record_scrape(&s, 1, Ok(&page(c(0.0, 0.0))), &[1], 1_000).unwrap();
+        record_scrape(&s, 1, Ok(&page(c(1e6, 1e5))), &[1], 2_000).unwrap();
+        let r = Table::load(&s).row(1).unwrap().cache.hit_rate();
+        assert!(r.is_some_and(|r| (r - 0.1).abs() < 0.01), "{r:?}");
+        let mut now = 2_000;
+        for _ in 0..6_000 {
+            now += 100;
+            record_scrape(&s, 1, Ok(&page(None)), &[1], now).unwrap();
+        }
+        let row = Table::load(&s).row(1).unwrap().clone();
+        let policy = HealthPolicy {
+            staleness_ms: 2000,
+            unhealthy_after: 3,
+        };
+        assert!(row.healthy(&policy, now));
+        assert_eq!(row.cache.hit_rate(), None);
     }
 
     #[test]
