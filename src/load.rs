@@ -23,6 +23,9 @@ pub const PLACED_HALF_LIFE_MS: u64 = 60_000;
 const SLOTS_KEY: &str = shared_key!("load/slots");
 /// Bound on slot keys: more VMs than this share no counts (logged).
 pub const MAX_SLOTS: u32 = 256;
+/// Bound on the replicas one slot counts: every endpoint of a full pool
+/// (static and discovered), and as many again that left it lately.
+const MAX_LOADS: usize = crate::config::MAX_ENDPOINTS * 4;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Load {
@@ -107,7 +110,7 @@ fn encode(s: &Slot) -> Vec<u8> {
 fn decode(buf: &[u8]) -> Option<Slot> {
     store::decode(VERSION, buf, |r| {
         let (owner, heartbeat_ms) = (r.u64()?, r.u64()?);
-        let n = r.count(crate::config::MAX_ENDPOINTS * 4)?;
+        let n = r.count(MAX_LOADS)?;
         let mut loads = Vec::with_capacity(n);
         for _ in 0..n {
             let id = r.u64()?;
@@ -249,6 +252,38 @@ impl LoadBoard {
             }
         }
         self.local.retain(|_, l| *l != Load::default());
+        self.trim();
+    }
+
+    /// Keep at most `MAX_LOADS` replicas' counts, every one with work in
+    /// flight first: ids of replicas long gone (a discovered pool's pods
+    /// replaced in rollouts) stay until their recent counts decay, and a
+    /// slot with more than a reader accepts was dropped whole, live
+    /// requests included, and looked free to other VMs.
+    fn trim(&mut self) {
+        let excess = self.local.len().saturating_sub(MAX_LOADS);
+        if excess == 0 {
+            return;
+        }
+        let mut idle: Vec<(u64, ReplicaId)> = (self.local.iter())
+            .filter(|(_, l)| l.requests == 0 && l.work == 0)
+            .map(|(id, l)| (u64::from(l.sent) + u64::from(l.branches), *id))
+            .collect();
+        idle.sort_unstable();
+        for (_, id) in idle.into_iter().take(excess) {
+            self.local.remove(&id);
+        }
+    }
+
+    /// What this VM publishes: at most `MAX_LOADS` entries, which a reader
+    /// always accepts.
+    fn published(&self) -> Vec<(ReplicaId, Load)> {
+        let busy = (self.local.iter()).filter(|(_, l)| l.requests > 0 || l.work > 0);
+        let idle = (self.local.iter()).filter(|(_, l)| l.requests == 0 && l.work == 0);
+        busy.chain(idle)
+            .take(MAX_LOADS)
+            .map(|(k, v)| (*k, *v))
+            .collect()
     }
 
     /// Called on the timer: keeps the slot fresh while the VM lives.
@@ -271,7 +306,7 @@ impl LoadBoard {
         let record = encode(&Slot {
             owner: self.owner,
             heartbeat_ms: now_ms,
-            loads: self.local.iter().map(|(k, v)| (*k, *v)).collect(),
+            loads: self.published(),
         });
         let _ = store.set(&slot_key(slot), &record, None);
     }
@@ -289,7 +324,7 @@ impl LoadBoard {
             let record = encode(&Slot {
                 owner: self.owner,
                 heartbeat_ms: now_ms,
-                loads: self.local.iter().map(|(k, v)| (*k, *v)).collect(),
+                loads: self.published(),
             });
             let mut stolen = false;
             let _ = update(store, &slot_key(slot), 4, |old| {
@@ -336,7 +371,7 @@ impl LoadBoard {
         };
         let free = match value.as_deref().map(decode) {
             None | Some(None) => true,
-            Some(Some(s)) => s.owner == 0 || now_ms.saturating_sub(s.heartbeat_ms) > self.stale_ms,
+            Some(Some(s)) => s.owner == 0 || !fresh(s.heartbeat_ms, now_ms, self.stale_ms),
         };
         let mine = encode(&Slot {
             owner: self.owner,
@@ -380,6 +415,14 @@ pub fn slot_count<S: Store + ?Sized>(store: &S) -> u32 {
         .unwrap_or(0)
 }
 
+/// Whether a heartbeat at `beat_ms` is within `stale_ms` of now, either
+/// way. `now_ms` is Envoy's wall clock: after it steps back (NTP), a dead
+/// VM's last heartbeat lies in the future, and read as age 0 it kept the
+/// VM's counts, and its slot, for as long as the step.
+pub(crate) fn fresh(beat_ms: u64, now_ms: u64, stale_ms: u64) -> bool {
+    now_ms.abs_diff(beat_ms) <= stale_ms
+}
+
 /// Sum of every fresh slot: the pool's in-flight work right now.
 pub fn snapshot<S: Store + ?Sized>(
     store: &S,
@@ -392,7 +435,7 @@ pub fn snapshot<S: Store + ?Sized>(
         let Some(slot) = store.get(&slot_key(i)).0.as_deref().and_then(decode) else {
             continue;
         };
-        if now_ms.saturating_sub(slot.heartbeat_ms) > stale_ms {
+        if !fresh(slot.heartbeat_ms, now_ms, stale_ms) {
             continue;
         }
         for (id, l) in slot.loads {
@@ -646,5 +689,41 @@ pub(crate) mod tests {
         assert_eq!(decode_count(&3u32.to_le_bytes()), 0);
         assert_eq!(decode_count(&encode_count(3)), 3);
         assert_eq!(decode_count(&encode_count(MAX_SLOTS + 5)), MAX_SLOTS);
+    }
+
+    /// A VM dies with a request in flight, then the wall clock steps back
+    /// an hour: 10 s later its counts are gone and its slot is free, as
+    /// without the step.
+    #[test]
+    fn a_dead_vms_counts_expire_after_a_clock_step_back() {
+        let s = MemStore::new();
+        let t0 = 10_000_000;
+        let mut dead = LoadBoard::new(1, 2000);
+        dead.start(&s, 10, started(500, 0, false), t0);
+        let now = t0 - 3_600_000 + 10_000;
+        let mut next = LoadBoard::new(2, 2000);
+        next.start(&s, 11, started(1, 0, false), now);
+        assert_eq!(next.slot(), dead.slot());
+        let snap = snapshot(&s, now, 2000);
+        assert_eq!(snap.get(&10), None);
+        assert_eq!(snap.get(&11).map(|l| l.work), Some(1));
+    }
+
+    /// Replicas come and go (every rollout of a discovered pool brings new
+    /// addresses): a slot that has counted more of them than a reader
+    /// accepts still reads, with the request in flight in it.
+    #[test]
+    fn a_slot_that_saw_many_replicas_still_reads() {
+        let s = MemStore::new();
+        let mut w = LoadBoard::new(1, 1_000_000);
+        let n = MAX_LOADS as u64 + 1;
+        for id in 0..n {
+            w.start(&s, 1000 + id, started(1, 64, true), 1);
+            w.finish(&s, 1000 + id, 1, 1);
+        }
+        w.start(&s, 7, started(100, 0, false), 2);
+        let snap = snapshot(&s, 3, 1_000_000);
+        assert_eq!(snap.get(&7).map(|l| (l.requests, l.work)), Some((1, 100)));
+        assert_eq!(snap.len(), MAX_LOADS);
     }
 }

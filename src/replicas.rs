@@ -176,7 +176,7 @@ impl Row {
     pub fn healthy(&self, p: &HealthPolicy, now_ms: u64) -> bool {
         self.failures < p.unhealthy_after
             && self.last_ok_ms > 0
-            && now_ms.saturating_sub(self.last_ok_ms) <= p.staleness_ms
+            && crate::load::fresh(self.last_ok_ms, now_ms, p.staleness_ms)
     }
 
     fn apply_ok(&mut self, m: &ReplicaMetrics, now_ms: u64) {
@@ -462,7 +462,11 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
     let current = value.as_deref().and_then(decode_lease);
     let outcome = match current {
         Some((o, _)) if o == owner => Lease::Held,
-        Some((_, expiry)) if now_ms < expiry => return Lease::Other,
+        // A lease that runs out further ahead than one term was written
+        // before the wall clock stepped back: its holder may be long dead.
+        Some((_, expiry)) if now_ms < expiry && expiry <= now_ms.saturating_add(ttl_ms) => {
+            return Lease::Other
+        }
         Some((0, _)) => Lease::Held,
         _ => Lease::TookOver,
     };
@@ -721,6 +725,21 @@ mod tests {
         s.set(LEASE_KEY, &old, None).unwrap();
         assert_eq!(acquire_lease(&s, 1, 700, 300), Lease::TookOver);
         assert_eq!(acquire_lease(&s, 2, 710, 300), Lease::Other);
+    }
+
+    /// The wall clock steps back an hour after the holder died: the lease
+    /// it wrote runs out an hour ahead, and is taken over at once, not an
+    /// hour later. A live holder renews it as before.
+    #[test]
+    fn a_lease_from_before_a_clock_step_back_is_taken_over() {
+        let s = MemStore::new();
+        let t0 = 10_000_000;
+        assert_eq!(acquire_lease(&s, 1, t0, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, t0, 300), Lease::Held);
+        let back = t0 - 3_600_000;
+        assert_eq!(acquire_lease(&s, 2, back, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 2, back + 100, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 1, back + 150, 300), Lease::Other);
     }
 
     #[test]
