@@ -74,8 +74,11 @@ pub(super) struct InputItem<'a> {
     pub role: Option<Cow<'a, str>>,
     pub kind: Option<Cow<'a, str>>,
     pub content: Option<Content<'a>>,
+    /// A function call's name.
+    pub name: Option<Text<'a>>,
     pub arguments: Option<Text<'a>>,
-    pub output: Option<Text<'a>>,
+    /// A function call's output: a string, or parts (text, images, files).
+    pub output: Option<Content<'a>>,
 }
 
 /// What one body's lists may hold, in units: a message, input item or
@@ -209,6 +212,7 @@ fn input_item<'a>(r: &mut Reader<'a>) -> Result<InputItem<'a>, JsonError> {
         role: None,
         kind: None,
         content: None,
+        name: None,
         arguments: None,
         output: None,
     };
@@ -217,8 +221,9 @@ fn input_item<'a>(r: &mut Reader<'a>) -> Result<InputItem<'a>, JsonError> {
             b"role" => it.role = nullable(r, name)?,
             b"type" => it.kind = nullable(r, name)?,
             b"content" => it.content = nullable(r, content)?,
+            b"name" => it.name = nullable(r, text)?,
             b"arguments" => it.arguments = nullable(r, text)?,
-            b"output" => it.output = nullable(r, text)?,
+            b"output" => it.output = nullable(r, content)?,
             _ => {
                 r.skip()?;
             }

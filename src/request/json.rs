@@ -245,17 +245,28 @@ impl<'a> Reader<'a> {
         Ok(k)
     }
 
-    /// An integer that fits an `i64` (a token id).
+    /// An integer that fits an `i64` (a token id). A whole number written
+    /// with a zero fraction (`1.0`: Python's `json` writes a float list
+    /// so) is that integer, as the model server's validation takes it.
     pub(super) fn int(&mut self) -> Result<i64, JsonError> {
         self.ws();
         let start = self.at;
-        if !self.number()? {
+        let int = self.number()?;
+        let spelled = self.b.get(start..self.at).unwrap_or_default();
+        let whole = match spelled.iter().position(|&c| c == b'.') {
+            Some(dot) => match spelled.split_at_checked(dot) {
+                Some((int, frac)) if frac.iter().skip(1).all(|&c| c == b'0') => int,
+                _ => spelled,
+            },
+            None => spelled,
+        };
+        if !int && whole.len() == spelled.len() {
             return Err(JsonError {
                 at: start,
                 expected: "an integer",
             });
         }
-        std::str::from_utf8(self.b.get(start..self.at).unwrap_or_default())
+        std::str::from_utf8(whole)
             .ok()
             .and_then(|s| s.parse().ok())
             .ok_or(JsonError {

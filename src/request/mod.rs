@@ -146,8 +146,12 @@ fn render_responses<S: Sink>(out: &mut Render<S>, b: &body::Body) {
             for it in items {
                 let role = it.role.as_deref().or(it.kind.as_deref()).unwrap_or("");
                 out.message(role, it.content.as_ref(), None);
-                for extra in [it.arguments, it.output].into_iter().flatten() {
+                // A call is its function's name and its arguments.
+                for extra in [it.name, it.arguments].into_iter().flatten() {
                     out.message(role, Some(&Content::Text(extra)), None);
+                }
+                if it.output.is_some() {
+                    out.message(role, it.output.as_ref(), None);
                 }
             }
         }
@@ -234,7 +238,10 @@ impl<S: Sink> Render<S> {
         self.push(buf.get(..n).unwrap_or_default());
     }
 
+    /// Token ids as decimal text, after a byte no JSON string holds raw:
+    /// `[1, 2, 3]` is not the text prompt `"1 2 3"`.
     fn tokens(&mut self, ids: &[i64]) {
+        self.push(b"\x1c");
         for (i, id) in ids.iter().enumerate() {
             if self.full() {
                 return;
@@ -282,10 +289,16 @@ impl<S: Sink> Render<S> {
         match content {
             Some(Content::Text(t)) => self.push(t),
             Some(Content::Parts(parts)) => {
-                for p in parts {
+                for (i, p) in parts.iter().enumerate() {
+                    if follows_text(parts, i) {
+                        self.push(PART_BREAK);
+                    }
                     match p {
                         Part::Text(t) => self.push(t),
-                        Part::Other(digest) => self.push_all(&[b"\x1d", &digest.to_le_bytes()]),
+                        Part::Other(digest) => {
+                            self.push_all(&[b"\x1d", &digest.to_le_bytes()]);
+                            self.push(&MEDIA_FILL);
+                        }
                     }
                 }
             }
@@ -308,14 +321,36 @@ fn salt(s: &str) -> String {
     )
 }
 
+/// What an image, audio or file part weighs in the rendered prompt: its
+/// digest, then filler up to about 512 tokens' worth of bytes (LLaVA's
+/// 576 image tokens, Gemma 3's 256, Qwen2-VL's hundreds to thousands),
+/// whatever its encoded size. The model server prefills those tokens and
+/// caches them; nine bytes alone left a picture and its question under
+/// one block, with no checkpoint, routed as if it had no prompt.
+pub const MEDIA_BYTES: usize = 2048;
+const MEDIA_FILL: [u8; MEDIA_BYTES - 9] = [0; MEDIA_BYTES - 9];
+
+/// Text parts that follow one another are joined by a line break, as the
+/// model server joins them (vLLM's chat utils): `["Summarize.", "Be
+/// brief."]` is not the prompt `"Summarize.Be brief."`. Spelled as a JSON
+/// string spells it (`\n`), since text is hashed as the body spells it.
+const PART_BREAK: &[u8] = br"\n";
+
+fn follows_text(parts: &[Part], i: usize) -> bool {
+    let text = |j: usize| matches!(parts.get(j), Some(Part::Text(_)));
+    i > 0 && text(i) && text(i - 1)
+}
+
 fn content_len(c: Option<&Content>) -> usize {
     match c {
         Some(Content::Text(t)) => t.len(),
-        Some(Content::Parts(parts)) => parts
-            .iter()
-            .map(|p| match p {
-                Part::Text(t) => t.len(),
-                Part::Other(_) => 9,
+        Some(Content::Parts(parts)) => (parts.iter().enumerate())
+            .map(|(i, p)| {
+                usize::from(follows_text(parts, i)) * PART_BREAK.len()
+                    + match p {
+                        Part::Text(t) => t.len(),
+                        Part::Other(_) => MEDIA_BYTES,
+                    }
             })
             .sum(),
         None => 0,
@@ -345,8 +380,8 @@ mod tests {
     fn completions_prompt_forms() {
         assert_eq!(text(r#"{"model":"m","prompt":"hello"}"#), b"hello");
         assert_eq!(text(r#"{"prompt":["a","b"]}"#), b"a\nb");
-        assert_eq!(text(r#"{"prompt":[1,22,333]}"#), b"1 22 333");
-        assert_eq!(text(r#"{"prompt":[[1,2],[3]]}"#), b"1 2\n3");
+        assert_eq!(text(r#"{"prompt":[1,22,333]}"#), b"\x1c1 22 333");
+        assert_eq!(text(r#"{"prompt":[[1,2],[3]]}"#), b"\x1c1 2\n\x1c3");
         assert_eq!(text(r#"{"prompt":[]}"#), b"");
         // Text renders as the body spells it, escapes and all: the same
         // text sent the same way renders alike, and a quote inside can't
@@ -501,7 +536,8 @@ mod tests {
         let want = [
             &b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi\x1d"[..],
             &image.to_le_bytes(),
-            b"!\x1f12",
+            &MEDIA_FILL,
+            b"!\x1f2051",
         ]
         .concat();
         assert_eq!(t, want);
@@ -518,8 +554,20 @@ mod tests {
         let (a, b) = (ask(&big), ask(&format!("{big}A")));
         assert_ne!(a, b, "two images, one question: two prompts");
         assert_eq!(a, ask(&big), "the same image: the same prompt");
-        // A digest, not the bytes: a 550 KB image renders in a few bytes.
-        assert!(a.len() < 100, "{}", a.len());
+        // A digest and a fixed weight, not the bytes: a 550 KB image
+        // renders as `MEDIA_BYTES`, so a picture and its question have
+        // checkpoints, and weigh about what the server prefills.
+        assert!(
+            a.len() > MEDIA_BYTES && a.len() < MEDIA_BYTES + 100,
+            "{}",
+            a.len()
+        );
+        let cfg = crate::config::Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).unwrap();
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"{big}"}}}},{{"type":"text","text":"What is in this picture?"}}]}}]}}"#
+        );
+        let (_, hashed) = crate::route::Hashed::parse(body.as_bytes(), &cfg).unwrap();
+        assert_eq!(hashed.blocks() as usize, a.len() / cfg.block_bytes);
         // Responses API input items the same.
         let input = |url: &str| {
             text(&format!(
@@ -679,7 +727,7 @@ mod tests {
         assert!(extract(body.as_bytes(), 100).is_err());
         // A prompt of a million token ids (more than any context) is read.
         let toks = format!(r#"{{"prompt":[{}]}}"#, items(KEPT_UNITS, "7"));
-        assert_eq!(extract(toks.as_bytes(), 4).unwrap().text, b"7 7 ");
+        assert_eq!(extract(toks.as_bytes(), 4).unwrap().text, b"\x1c7 7");
         let toks = format!(r#"{{"prompt":[{}]}}"#, items(KEPT_UNITS + 1, "7"));
         assert!(extract(toks.as_bytes(), 4).is_err());
     }
@@ -703,5 +751,59 @@ mod tests {
         let p = extract(body.as_bytes(), 10).unwrap();
         assert!(p.model.len() <= MAX_MODEL_BYTES);
         assert!(p.model.chars().all(|c| c == 'é'));
+    }
+
+    /// The model server joins a message's text parts with a line break:
+    /// parts `"Summarize."`, `"Be brief."` are the prompt `"Summarize.\nBe
+    /// brief."`, and one part is the plain string.
+    #[test]
+    fn text_parts_join_with_a_line_break() {
+        let msg = |content: &str| {
+            text(&format!(
+                r#"{{"messages":[{{"role":"user","content":{content}}}]}}"#
+            ))
+        };
+        let part = |t: &str| format!(r#"{{"type":"text","text":"{t}"}}"#);
+        let two = msg(&format!("[{},{}]", part("Summarize."), part("Be brief.")));
+        assert_eq!(two, msg(r#""Summarize.\nBe brief.""#));
+        assert_ne!(two, msg(r#""Summarize.Be brief.""#));
+        assert_eq!(msg(&format!("[{}]", part("Hi."))), msg(r#""Hi.""#));
+    }
+
+    /// A Responses function call renders with its function's name, and
+    /// its output may be parts (text, images, files) as well as a string.
+    #[test]
+    fn responses_function_calls_keep_their_name_and_output_parts() {
+        let call = |name: &str| {
+            text(&format!(
+                r#"{{"input":[{{"role":"user","content":"go"}},{{"type":"function_call","call_id":"c1","name":"{name}","arguments":"{{}}"}}]}}"#
+            ))
+        };
+        assert_ne!(call("delete_all_files"), call("list_files"));
+        let output = |o: &str| {
+            text(&format!(
+                r#"{{"input":[{{"role":"user","content":"weather?"}},{{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{{}}"}},{{"type":"function_call_output","call_id":"c1","output":{o}}}]}}"#
+            ))
+        };
+        let parts = output(r#"[{"type":"input_text","text":"sunny"}]"#);
+        assert_eq!(parts, output(r#""sunny""#));
+        assert_ne!(parts, output(r#"[{"type":"input_text","text":"rain"}]"#));
+    }
+
+    /// Token ids are not their decimal text, and whole numbers written as
+    /// floats (`1.0`, as Python's `json` writes a float list) are ids.
+    #[test]
+    fn token_ids_are_not_text_and_may_be_whole_floats() {
+        assert_ne!(text(r#"{"prompt":[1,2,3]}"#), text(r#"{"prompt":"1 2 3"}"#));
+        assert_ne!(
+            text(r#"{"prompt":[[1,2],[3]]}"#),
+            text(r#"{"prompt":["1 2","3"]}"#)
+        );
+        assert_eq!(
+            text(r#"{"prompt":[1.0,2.00,3]}"#),
+            text(r#"{"prompt":[1,2,3]}"#)
+        );
+        assert!(extract(br#"{"prompt":[1.5]}"#, 100).is_err());
+        assert!(extract(br#"{"prompt":[1.0e3]}"#, 100).is_err());
     }
 }
