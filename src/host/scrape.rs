@@ -37,6 +37,7 @@ pub struct Scraper {
     /// Half the timer's period: a tick that early still runs its round.
     slack_ms: u64,
     next_discovery_ms: u64,
+    next_scrape_ms: u64,
     /// Call token → what it fetches; one call per replica at a time, so a
     /// slow page never piles up calls.
     pending: HashMap<u32, Call>,
@@ -67,6 +68,7 @@ impl Scraper {
             next_ms: 0,
             slack_ms: tick_ms / 2,
             next_discovery_ms: 0,
+            next_scrape_ms: 0,
             pending: HashMap::new(),
             busy: HashMap::new(),
             gauges: HashMap::new(),
@@ -85,10 +87,15 @@ impl Scraper {
             .or_insert_with(|| ScrapeGauges::define(&Envoy, ep))
     }
 
+    /// A round runs at the shorter of the two intervals; each job in it
+    /// keeps its own (discovery ran only with the scrapes, so with
+    /// `scrape_interval_ms` above `discovery.interval_ms` pods came and
+    /// went that much later than configured).
     pub fn tick(&mut self, router: &Router, now_ms: u64) {
         let cfg = &router.config;
         let interval = match (&cfg.scrape, &cfg.discovery) {
-            (Some(s), _) => s.interval_ms,
+            (Some(s), Some(d)) => s.interval_ms.min(d.interval_ms),
+            (Some(s), None) => s.interval_ms,
             (None, Some(d)) => d.interval_ms,
             (None, None) => return,
         };
@@ -104,6 +111,14 @@ impl Scraper {
             self.discover(d, now_ms);
         }
         let Some(scrape) = &cfg.scrape else { return };
+        let due = replicas::next_round(
+            now_ms,
+            self.next_scrape_ms,
+            scrape.interval_ms,
+            self.slack_ms,
+        );
+        let Some(next) = due else { return };
+        self.next_scrape_ms = next;
         self.publish_eligible(router, now_ms);
         for ep in router.endpoints() {
             self.scrape(ep, scrape, &cfg.destination_header, now_ms);
@@ -142,12 +157,13 @@ impl Scraper {
 
     /// Ask Envoy's admin for the pool, when due and not already asked.
     fn discover(&mut self, d: &Discovery, now_ms: u64) {
-        if now_ms < self.next_discovery_ms
-            || self.pending.values().any(|c| matches!(c, Call::Discovery))
-        {
+        if self.pending.values().any(|c| matches!(c, Call::Discovery)) {
             return;
         }
-        self.next_discovery_ms = now_ms + d.interval_ms;
+        let due =
+            replicas::next_round(now_ms, self.next_discovery_ms, d.interval_ms, self.slack_ms);
+        let Some(next) = due else { return };
+        self.next_discovery_ms = next;
         let asked = self.dispatch(
             &d.admin_cluster,
             &discovery::admin_path(&d.cluster),

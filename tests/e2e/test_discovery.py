@@ -141,6 +141,33 @@ def test_pool_follows_envoys_hosts(tmp_path):
                 assert envoy.stat(f"{gone}.{g}") == 0, g
 
 
+def test_discovery_keeps_its_own_interval_when_scrapes_are_rarer(tmp_path):
+    # Scrapes every 5 s, discovery every 200 ms: a host that joins shows in
+    # the discovered pool within a second or two, not at the next scrape.
+    with backends(3, metrics=vllm_metrics(running=1, kv=0.1)) as (a, b, c):
+        path = tmp_path / "eds.yaml"
+        eds(path, [a.addr, b.addr])
+        plugin = {
+            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 200},
+            "cluster": "pool",
+            "scrape_interval_ms": 5000,
+            "staleness_ms": 20000,
+        }
+        with Envoy(config(path, plugin), concurrency=1) as envoy:
+            deadline = time.time() + 10
+            while time.time() < deadline and envoy.stat("prefix_router.discovery.hosts") != 2:
+                time.sleep(0.05)
+            assert envoy.stat("prefix_router.discovery.hosts") == 2
+            # Right after a scrape round: the next one is ~5 s away.
+            eds(path, [a.addr, b.addr, c.addr])
+            changed = time.time()
+            while time.time() < changed + 10 and envoy.stat("prefix_router.discovery.hosts") != 3:
+                time.sleep(0.05)
+            took = time.time() - changed
+            assert envoy.stat("prefix_router.discovery.hosts") == 3
+            assert took < 3.0, f"the new host was discovered {took:.1f} s later"
+
+
 def test_a_reloaded_vm_routes_to_the_discovered_pool_at_once(tmp_path):
     # FAIL_RELOAD recreates a trapped VM on the next request, and that
     # request is served by a root context that has not ticked yet. The
