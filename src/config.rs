@@ -100,6 +100,15 @@ pub struct Config {
     pub traffic_balance: bool,
     /// Session affinity across gateway instances, when configured.
     pub affinity: Option<Affinity>,
+    /// Names this pool's records in shared data (see `scope`).
+    pub pool: Option<String>,
+    /// The prefix of every shared-data key this config reads and writes
+    /// (`store::Scoped`): a digest of `pool`, else of the discovery
+    /// cluster, else of the static list. Two configs in one Envoy (one
+    /// `vm_id`) that name different pools never share records; the same
+    /// config shares them across workers, reloads and releases.
+    #[serde(skip)]
+    pub scope: String,
     /// Test-only fault injection, compiled in only with the
     /// `fault-injection` feature (release modules reject the key as
     /// unknown): the VM traps on its N-th request, to exercise Envoy's
@@ -149,6 +158,8 @@ impl Default for Config {
             hit_rate_feedback: true,
             traffic_balance: false,
             affinity: None,
+            pool: None,
+            scope: String::new(),
             #[cfg(feature = "fault-injection")]
             debug_trap_on_request: None,
         }
@@ -321,7 +332,26 @@ impl Config {
         (config.metrics_path).get_or_insert_with(|| engine.metrics_path().to_string());
         config.validate()?;
         config.scrape = config.scrape_keys();
+        config.scope = config.pool_scope();
         Ok(config)
+    }
+
+    /// See `scope`. A static list names its pool by its sorted addresses,
+    /// so an edit of the list starts the pool's records anew (the old
+    /// ones, at most about `index_capacity` x 66 bytes, stay until Envoy
+    /// restarts), unless `pool` names it.
+    fn pool_scope(&self) -> String {
+        let name = match (&self.pool, &self.discovery) {
+            (Some(p), _) => format!("pool\0{p}"),
+            (None, Some(d)) => format!("discovery\0{}", d.cluster),
+            (None, None) => {
+                let mut eps: Vec<&str> =
+                    self.static_endpoints.iter().map(Endpoint::as_str).collect();
+                eps.sort_unstable();
+                format!("static\0{}", eps.join(","))
+            }
+        };
+        format!("{:016x}/", xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
     }
 
     /// What serde can't check: ranges, names, the endpoint list.
@@ -340,6 +370,11 @@ impl Config {
         check_paths(&self.inference_paths)?;
         self.validate_numbers()?;
         header_name("priority_header", &self.priority_header)?;
+        if let Some(p) = &self.pool {
+            if p.is_empty() || p.len() > 256 {
+                return Err(invalid("pool", "must be a name of 1 to 256 bytes"));
+            }
+        }
         self.validate_scrape()?;
         self.validate_affinity()
     }
@@ -563,6 +598,35 @@ fn check_paths(paths: &[String]) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_pool_has_its_own_shared_data_scope() {
+        let scope = |json: &str| Config::parse(json.as_bytes()).unwrap().scope;
+        let disc =
+            |c: &str| format!(r#"{{"discovery":{{"cluster":"{c}","admin_cluster":"admin"}}}}"#);
+        let a = scope(r#"{"endpoints":["10.0.0.1:80","10.0.0.2:80"]}"#);
+        assert_eq!(a.len(), 17);
+        assert!(a.ends_with('/'));
+        // The same pool, however listed, and whatever else the config says.
+        assert_eq!(
+            a,
+            scope(r#"{"endpoints":["10.0.0.2:80","10.0.0.1:80"],"max_fallbacks":1}"#)
+        );
+        assert_ne!(a, scope(r#"{"endpoints":["10.0.0.1:80","10.0.0.3:80"]}"#));
+        assert_eq!(scope(&disc("pool-a")), scope(&disc("pool-a")));
+        assert_ne!(scope(&disc("pool-a")), scope(&disc("pool-b")));
+        // A named pool keeps its scope when its list is edited.
+        let named = |eps: &str| scope(&format!(r#"{{"endpoints":[{eps}],"pool":"llama"}}"#));
+        assert_eq!(
+            named(r#""10.0.0.1:80""#),
+            named(r#""10.0.0.1:80","10.0.0.2:80""#)
+        );
+        assert_ne!(named(r#""10.0.0.1:80""#), a);
+        let e = Config::parse(br#"{"endpoints":["10.0.0.1:80"],"pool":""}"#).unwrap_err();
+        assert!(e.to_string().contains("`pool`"), "{e}");
+        // Only `parse` sets it: the JSON can't.
+        assert!(Config::parse(br#"{"endpoints":["10.0.0.1:80"],"scope":"x/"}"#).is_err());
+    }
 
     fn err(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()

@@ -82,6 +82,37 @@ impl Store for MemStore {
     }
 }
 
+/// One pool's view of the store: every key under the pool's scope
+/// (`Config::scope`). Envoy keys shared data by `vm_id` alone, and every
+/// shipped config uses one: two filter configs in one Envoy (two listeners,
+/// two models) shared one discovered pool, one replica table and one
+/// scraper lease, so one pool's requests were sent to the other's hosts
+/// and only one pool was scraped.
+pub struct Scoped<'a, S: ?Sized> {
+    inner: &'a S,
+    scope: &'a str,
+}
+
+impl<'a, S: Store + ?Sized> Scoped<'a, S> {
+    pub fn new(inner: &'a S, scope: &'a str) -> Self {
+        Scoped { inner, scope }
+    }
+
+    fn key(&self, key: &str) -> String {
+        [self.scope, key].concat()
+    }
+}
+
+impl<S: Store + ?Sized> Store for Scoped<'_, S> {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.inner.get(&self.key(key))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.inner.set(&self.key(key), value, cas)
+    }
+}
+
 /// A shared-data key: `prefix-router/<records>/<name>`, where `<records>`
 /// names the version of every record this build writes (index, load
 /// slots, slot counter, replica table, scraper lease, discovered pool).
@@ -324,6 +355,27 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scopes_keep_pools_apart() {
+        let s = MemStore::new();
+        let (a, b) = (Scoped::new(&s, "a/"), Scoped::new(&s, "b/"));
+        a.set("k", b"one", None).unwrap();
+        b.set("k", b"two", None).unwrap();
+        assert_eq!(a.get("k").0.as_deref(), Some(&b"one"[..]));
+        assert_eq!(b.get("k").0.as_deref(), Some(&b"two"[..]));
+        assert_eq!(s.get("k"), (None, None));
+        let mut keys = s.keys();
+        keys.sort();
+        assert_eq!(keys, ["a/k", "b/k"]);
+        // Compare-and-swap works through a scope as on the store.
+        let (_, cas) = a.get("k");
+        assert_eq!(
+            a.set("k", b"x", cas.map(|c| c + 1)),
+            Err(StoreError::CasMismatch)
+        );
+        assert_eq!(a.set("k", b"x", cas), Ok(()));
+    }
 
     #[test]
     fn the_key_space_names_every_record_version() {

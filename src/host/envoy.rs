@@ -8,6 +8,7 @@ use super::shared::SharedData;
 use crate::filter::stats::Metrics;
 use crate::filter::{Host, Map};
 use crate::headers::Pairs;
+use crate::store::Scoped;
 
 /// The Envoy this VM runs in (stateless: the host keeps the state).
 pub struct Envoy;
@@ -33,11 +34,39 @@ impl Metrics for Envoy {
     }
 }
 
-impl Host for Envoy {
-    type Store = SharedData;
+/// One HTTP stream's host: Envoy, with the shared data of the stream's
+/// pool (`Config::scope`).
+pub struct Stream<'a> {
+    shared: Scoped<'a, SharedData>,
+}
 
-    fn store(&self) -> &SharedData {
-        &SharedData
+impl<'a> Stream<'a> {
+    pub fn new(scope: &'a str) -> Self {
+        Stream {
+            shared: Scoped::new(&SharedData, scope),
+        }
+    }
+}
+
+impl Metrics for Stream<'_> {
+    fn define_metric(&self, kind: MetricType, name: &str) -> Result<u32, u32> {
+        Envoy.define_metric(kind, name)
+    }
+
+    fn increment_metric(&self, id: u32, by: i64) -> Result<(), u32> {
+        Envoy.increment_metric(id, by)
+    }
+
+    fn record_metric(&self, id: u32, value: u64) -> Result<(), u32> {
+        Envoy.record_metric(id, value)
+    }
+}
+
+impl<'a> Host for Stream<'a> {
+    type Store = Scoped<'a, SharedData>;
+
+    fn store(&self) -> &Self::Store {
+        &self.shared
     }
 
     fn now_ms(&self) -> u64 {

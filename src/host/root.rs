@@ -14,10 +14,13 @@ use super::shared::SharedData;
 use crate::config::Config;
 use crate::filter::Worker;
 use crate::load;
+use crate::store::Scoped;
 
 pub struct Root {
     worker: Option<Rc<RefCell<Worker>>>,
     scraper: Option<Scraper>,
+    /// The pool's shared-data scope (`Config::scope`).
+    scope: Rc<str>,
 }
 
 impl Root {
@@ -25,6 +28,7 @@ impl Root {
         Root {
             worker: None,
             scraper: None,
+            scope: Rc::from(""),
         }
     }
 }
@@ -71,6 +75,7 @@ impl RootContext for Root {
             }
         };
         let owner = owner_id();
+        let scope: Rc<str> = Rc::from(config.scope.as_str());
         let worker = Worker::new(&Envoy, config, owner);
         let router = &worker.router;
         let mut tick = router.config.tick_ms;
@@ -83,7 +88,7 @@ impl RootContext for Root {
             tick = tick.min(d.interval_ms);
         }
         if router.config.scrape.is_some() || router.config.discovery.is_some() {
-            self.scraper = Some(Scraper::new(owner, tick));
+            self.scraper = Some(Scraper::new(owner, tick, Rc::clone(&scope)));
         }
         let tick = u32::try_from(tick).unwrap_or(u32::MAX);
         if let Err(status) = abi::set_tick_period_ms(tick) {
@@ -103,23 +108,25 @@ impl RootContext for Root {
         // one tick later, or a discovery-only pool has no replica and
         // answers 503 until then.
         let mut worker = worker;
-        worker.router.refresh(&SharedData);
+        worker.router.refresh(&Scoped::new(&SharedData, &scope));
         self.worker = Some(Rc::new(RefCell::new(worker)));
+        self.scope = scope;
         true
     }
 
     fn on_tick(&mut self) {
         let Some(w) = &self.worker else { return };
         let now = super::now_ms();
+        let shared = Scoped::new(&SharedData, &self.scope);
         {
             let mut w = w.borrow_mut();
-            w.board.heartbeat(&SharedData, now);
+            w.board.heartbeat(&shared, now);
             // The only place the pool is refreshed: every HTTP context of
             // this VM shares this router, and the tick is at most the
             // discovery interval.
-            w.router.refresh(&SharedData);
+            w.router.refresh(&shared);
             let w = &mut *w;
-            let live = load::snapshot(&SharedData, now, w.router.stale_ms());
+            let live = load::snapshot(&shared, now, w.router.stale_ms());
             w.stats.show_load(&Envoy, w.router.endpoints(), &live);
         }
         if let Some(s) = &mut self.scraper {
@@ -130,7 +137,10 @@ impl RootContext for Root {
     fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
         // Never None: the SDK panics on it. Unconfigured, a context still
         // strips the destination header.
-        Some(Box::new(Http::new(self.worker.clone())))
+        Some(Box::new(Http::new(
+            self.worker.clone(),
+            Rc::clone(&self.scope),
+        )))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -4,6 +4,7 @@
 //! and, with discovery on, read the pool's hosts from Envoy's admin.
 
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -21,6 +22,7 @@ use crate::metrics;
 use crate::replicas::{self, Lease, Table};
 use crate::route::Router;
 use crate::scrape::{self as callout, CalloutError};
+use crate::store::Scoped;
 
 /// Largest admin `/clusters` answer read (a pool of 1,024 hosts with stats
 /// is well under this).
@@ -33,6 +35,7 @@ enum Call {
 
 pub struct Scraper {
     owner: u64,
+    scope: Rc<str>,
     next_ms: u64,
     /// Half the timer's period: a tick that early still runs its round.
     slack_ms: u64,
@@ -61,10 +64,12 @@ pub struct Scraper {
 }
 
 impl Scraper {
-    /// `tick_ms`: the VM's timer period.
-    pub fn new(owner: u64, tick_ms: u64) -> Scraper {
+    /// `tick_ms`: the VM's timer period; `scope`: the pool's shared-data
+    /// scope (`Config::scope`).
+    pub fn new(owner: u64, tick_ms: u64, scope: Rc<str>) -> Scraper {
         Scraper {
             owner,
+            scope,
             next_ms: 0,
             slack_ms: tick_ms / 2,
             next_discovery_ms: 0,
@@ -79,6 +84,10 @@ impl Scraper {
             blind: false,
             last_failure: None,
         }
+    }
+
+    fn shared(&self) -> Scoped<'_, SharedData> {
+        Scoped::new(&SharedData, &self.scope)
     }
 
     fn gauges(&mut self, ep: &Endpoint) -> &ScrapeGauges {
@@ -131,7 +140,7 @@ impl Scraper {
     /// two missed renewals, so a new scraper takes over within three
     /// intervals of the old one stopping.
     fn hold_lease(&mut self, now_ms: u64, interval: u64) -> bool {
-        match replicas::acquire_lease(&SharedData, self.owner, now_ms, 2 * interval) {
+        match replicas::acquire_lease(&self.shared(), self.owner, now_ms, 2 * interval) {
             Lease::Other => {
                 // Someone else writes the table now: ours goes stale.
                 self.table_loaded = false;
@@ -149,7 +158,7 @@ impl Scraper {
             Lease::Held => {}
         }
         if !self.table_loaded {
-            self.table = Table::load(&SharedData);
+            self.table = Table::load(&self.shared());
             self.table_loaded = true;
         }
         true
@@ -294,7 +303,7 @@ impl Scraper {
         match found {
             Ok(eps) => {
                 self.stats.discovered.record(&Envoy, eps.len() as u64);
-                discovery::publish(&SharedData, &eps);
+                discovery::publish(&self.shared(), &eps);
             }
             Err(why) => {
                 self.stats.discovery_failures.inc(&Envoy);
@@ -332,7 +341,7 @@ impl Scraper {
         // another VM took the lease while our timer ran late. These answers
         // are then a round behind its table, and could re-admit a replica it
         // has seen fail. (The tick publishes right after renewing the lease.)
-        if replicas::holds_lease(&SharedData, self.owner) {
+        if replicas::holds_lease(&self.shared(), self.owner) {
             self.publish(router);
         } else {
             self.table_loaded = false;
@@ -374,7 +383,8 @@ impl Scraper {
             }
             stays
         });
-        match self.table.publish(&SharedData) {
+        let scope = Rc::clone(&self.scope);
+        match self.table.publish(&Scoped::new(&SharedData, &scope)) {
             Ok(()) => self.dirty = false,
             Err(e) => {
                 log::debug!("prefix-router: replica table not written: {e}");
@@ -414,7 +424,7 @@ impl Scraper {
     /// then ranks every replica blind) or one is back: once each way, with
     /// the last failure's cause, not once per failed scrape.
     fn publish_eligible(&mut self, router: &Router, now_ms: u64) {
-        let n = router.eligible_count(&SharedData, now_ms);
+        let n = router.eligible_count(&self.shared(), now_ms);
         self.stats.eligible.record(&Envoy, n as u64);
         let blind = n == 0 && !router.endpoints().is_empty();
         if blind && !self.blind {

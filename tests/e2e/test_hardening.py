@@ -276,3 +276,54 @@ def test_short_soak_distinct_prefixes_bounded_index_and_memory(repeat):
         # Flat after warm-up: the second half grows by less than 16 MB.
         half = rss[len(rss) // 2]
         assert rss[-1] - half < 16 * 1024, rss
+
+
+# ------------------------------------------------ two pools in one Envoy
+
+
+def test_two_pools_in_one_envoy_keep_their_shared_data_apart():
+    # Two listeners, two pools, one module and one vm_id (as every shipped
+    # config has): Envoy gives both one shared-data map. Each pool must be
+    # scraped by its own scraper and routed within itself.
+    import copy
+    import json
+
+    from harness import Envoy, free_port, render_config, stat_label, vllm_metrics, wasm_http_filter
+
+    with backends(2, metrics=vllm_metrics(running=1, kv=0.1)) as pool_a, backends(
+        2, metrics=vllm_metrics(running=3, kv=0.3)
+    ) as pool_b:
+        def plugin(pool):
+            return {"endpoints": [b.addr for b in pool], "cluster": "pool", "max_fallbacks": 0}
+
+        cfg = render_config("original_dst", plugin(pool_a), [], free_port(), free_port())
+        listeners = cfg["static_resources"]["listeners"]
+        second = copy.deepcopy(listeners[0])
+        second["name"] = "inference-b"
+        second["address"]["socket_address"]["port_value"] = port_b = free_port()
+        hcm = second["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["stat_prefix"] = "inference_b"
+        wasm = wasm_http_filter(hcm)["typed_config"]["config"]
+        assert wasm["vm_config"]["vm_id"] == wasm_http_filter(
+            listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
+        )["typed_config"]["config"]["vm_config"]["vm_id"]
+        wasm["configuration"]["value"] = json.dumps(plugin(pool_b))
+        listeners.append(second)
+        with Envoy(cfg, concurrency=2) as envoy:
+            # Both pools' replicas are scraped: each shows its own page.
+            want = {b.addr: 1 for b in pool_a} | {b.addr: 3 for b in pool_b}
+            deadline = time.time() + 10
+            running = {}
+            while time.time() < deadline:
+                running = {a: envoy.stat(f"prefix_router.replica.{stat_label(a)}.running") for a in want}
+                if running == want:
+                    break
+                time.sleep(0.1)
+            assert running == want
+            for port, pool in [(envoy.port, pool_a), (port_b, pool_b)]:
+                served = Counter()
+                for i in range(30):
+                    status, headers, _ = request(port, body=completion(f"pool {port} doc {i % 6} " * 20))
+                    assert status == 200
+                    served[headers["x-served-by"]] += 1
+                assert set(served) <= {str(b.port) for b in pool}, served
