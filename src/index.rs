@@ -505,6 +505,12 @@ fn stamp(
     replica: ReplicaId,
     now: u32,
 ) -> (u32, u32) {
+    // A stamp ahead of now was written before the wall clock stepped back
+    // (NTP): as the newest, it outlived every entry written since, for as
+    // long as the step.
+    for h in entries.iter_mut().flat_map(|e| e.holders.iter_mut()) {
+        h.seen_s = h.seen_s.min(now);
+    }
     if let Some(e) = entries.iter_mut().find(|e| e.hash == hash) {
         if e.child == 0 {
             e.child = child;
@@ -550,6 +556,21 @@ fn stamp(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The clock steps back: an entry written since is not the first to
+    /// go because entries from before the step carry later stamps.
+    #[test]
+    fn a_clock_step_back_does_not_evict_the_newest_entries_first() {
+        let mut entries = Vec::new();
+        for h in 1..WAYS as u64 {
+            stamp(&mut entries, h, 0, 7, 1_000);
+        }
+        stamp(&mut entries, 100, 0, 7, 100);
+        assert_eq!(stamp(&mut entries, 101, 0, 7, 101), (0, 1));
+        let kept: Vec<u64> = entries.iter().map(|e| e.hash).collect();
+        assert!(kept.contains(&100) && kept.contains(&101), "{kept:?}");
+        assert!(entries.iter().all(|e| e.newest() <= 101));
+    }
     use crate::prefix::{checkpoints, seed, Schedule};
     use crate::store::MemStore;
 
