@@ -5,8 +5,10 @@ use super::{Candidate, ScoreParams};
 use crate::config::Weights;
 
 /// The replicas new content may go to: within the load bound (`keeps`),
-/// and not evicting what they hold (every instance reads the same hit
-/// rates, so none puts new content where it would be evicted).
+/// and not evicting what they hold. Every instance reads the same
+/// measured hit rates but judges them against the rate its own index
+/// expected, so instances may disagree on a replica near the threshold;
+/// none of them puts new content where it judges it would be evicted.
 pub(super) fn open_to_new(cands: &[Candidate], keeps: &[bool]) -> Vec<bool> {
     keeps
         .iter()
