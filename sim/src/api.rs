@@ -174,7 +174,7 @@ async fn infer(r: Arc<Replica>, kind: Kind, headers: &HeaderMap, body: RawBody) 
         block_hashes: chain_hashes(
             &job.prepared.tokens,
             r.settings.cfg.block_size,
-            r.hash_seed(job.lora),
+            r.hash_seed(job.lora, job.prepared.cache_salt.as_deref()),
         ),
         max_tokens: job.max_tokens,
         lora: job.lora,

@@ -37,6 +37,10 @@ enum Prompt {
 struct CompletionRequest {
     #[serde(default)]
     model: Option<String>,
+    /// Keeps this request's KV apart from other salts' (vLLM hashes it
+    /// into the first block).
+    #[serde(default)]
+    cache_salt: Option<String>,
     prompt: Prompt,
     #[serde(default)]
     max_tokens: Option<u32>,
@@ -54,6 +58,10 @@ struct CompletionRequest {
 struct ChatRequest {
     #[serde(default)]
     model: Option<String>,
+    /// Keeps this request's KV apart from other salts' (vLLM hashes it
+    /// into the first block).
+    #[serde(default)]
+    cache_salt: Option<String>,
     messages: Vec<Message>,
     #[serde(default)]
     tools: Option<Value>,
@@ -87,6 +95,7 @@ struct TokenizeRequest {
 pub struct Prepared {
     pub kind: Kind,
     pub model: Option<String>,
+    pub cache_salt: Option<String>,
     pub tokens: Vec<u32>,
     pub max_tokens: Option<u32>,
     pub stream: bool,
@@ -105,6 +114,7 @@ fn parse_completion(body: &[u8]) -> Result<Prepared, String> {
     Ok(Prepared {
         kind: Kind::Completion,
         model: r.model,
+        cache_salt: r.cache_salt,
         tokens: prompt_tokens(r.prompt)?,
         max_tokens: r.max_tokens,
         stream: r.stream.unwrap_or(false),
@@ -124,6 +134,7 @@ fn parse_chat(body: &[u8]) -> Result<Prepared, String> {
     Ok(Prepared {
         kind: Kind::Chat,
         model: r.model,
+        cache_salt: r.cache_salt,
         tokens: tokenizer::encode(&text),
         // The newer name wins, as in OpenAI's API.
         max_tokens: r.max_completion_tokens.or(r.max_tokens),
@@ -298,7 +309,26 @@ mod tests {
             b"\xff\xfe",
         ];
         for b in bad {
-            assert!(parse(Kind::Completion, b).is_err() || parse(Kind::Chat, b).is_err());
+            assert!(
+                parse(Kind::Completion, b).is_err(),
+                "{}",
+                String::from_utf8_lossy(b)
+            );
+        }
+        // Each kind judged by its own parser: a chat body is no completion,
+        // so "either fails" held whatever the completion parser did.
+        let chat_bad: [&[u8]; 4] = [
+            br#"{"messages":[]}"#,
+            br#"{"messages":"hi"}"#,
+            br#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+            b"\xff\xfe",
+        ];
+        for b in chat_bad {
+            assert!(
+                parse(Kind::Chat, b).is_err(),
+                "{}",
+                String::from_utf8_lossy(b)
+            );
         }
         assert!(parse(Kind::Chat, br#"{"messages":[{"content":"no role"}]}"#).is_err());
         assert!(parse(Kind::Chat, br#"{"messages":[]}"#).is_err());

@@ -90,8 +90,13 @@ impl Replica {
 
     /// Hash-chain seed: adapters never share KV with the base model or each
     /// other, as in vLLM (the adapter is part of the block key).
-    pub fn hash_seed(&self, lora: Option<usize>) -> u64 {
-        lora.and_then(|i| self.settings.loras.get(i))
-            .map_or(0, |name| hash_str(name))
+    /// The block-hash chain's seed: the LoRA adapter and the cache salt,
+    /// which vLLM hashes into a request's blocks, so neither shares KV
+    /// with a request that differs in them.
+    pub fn hash_seed(&self, lora: Option<usize>, cache_salt: Option<&str>) -> u64 {
+        let adapter = lora
+            .and_then(|i| self.settings.loras.get(i))
+            .map_or(0, |name| hash_str(name));
+        cache_salt.map_or(adapter, |s| adapter ^ hash_str(s).rotate_left(17))
     }
 }

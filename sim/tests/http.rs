@@ -528,3 +528,23 @@ fn tokenize_and_render_agree_with_usage() {
     let ids = post(a, "/v1/completions/render", &json!({"prompt": [5, 6, 7]})).json();
     assert_eq!(ids[0]["token_ids"], json!([5, 6, 7]));
 }
+
+/// vLLM hashes `cache_salt` into a request's blocks: a prompt sent with
+/// another salt shares no KV, and with the same salt it hits.
+#[test]
+fn cache_salt_separates_kv() {
+    let sim = Sim::start(1, &[]);
+    let a = sim.addr();
+    let prompt = text(7, 300);
+    let body = |salt: &str| json!({"prompt": prompt, "max_tokens": 1, "cache_salt": salt});
+    post(a, "/v1/completions", &body("tenant-a"));
+    let other = post(a, "/v1/completions", &body("tenant-b")).json();
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let same = post(a, "/v1/completions", &body("tenant-a")).json();
+    assert!(
+        same["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 200
+    );
+}
