@@ -317,7 +317,9 @@ def turns_ttft(doc: dict, time_scale: float) -> tuple[list[float], list[float]]:
     recs = sorted((r for r in doc.get("records", []) if r.get("ok")), key=lambda r: r["start_s"])
     seen, first, later = set(), [], []
     for r in recs:
-        (later if r.get("key") in seen else first).append(r["ttft_ms"] / time_scale)
+        # A turn without a first token (none asked for) still opens its key.
+        if r.get("ttft_ms") is not None:
+            (later if r.get("key") in seen else first).append(r["ttft_ms"] / time_scale)
         seen.add(r.get("key"))
     return first, later
 

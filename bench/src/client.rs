@@ -90,6 +90,10 @@ struct Chunk {
     choices: Vec<Choice>,
     #[serde(default)]
     usage: Option<Usage>,
+    /// A failure after the headers: vLLM and the routers in front of it
+    /// answer 200, then an `error` event, then `[DONE]`.
+    #[serde(default)]
+    error: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -250,6 +254,9 @@ impl Sse {
         let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
             return;
         };
+        if let Some(e) = chunk.error {
+            out.error.get_or_insert_with(|| format!("error event: {e}"));
+        }
         if let Some(u) = chunk.usage {
             out.prompt_tokens = Some(u.prompt_tokens);
             out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
@@ -358,6 +365,35 @@ mod tests {
             (Some(900), Some(640))
         );
         assert!(sse.done);
+    }
+
+    /// A stream that fails after its headers (200, an `error` event,
+    /// `[DONE]`) is an error, not a success without a first token.
+    #[tokio::test]
+    async fn a_200_stream_with_an_error_event_is_an_error() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = vec![0u8; 65536];
+            let _ = s.read(&mut buf);
+            let body = "data: {\"error\":{\"message\":\"upstream reset\",\"code\":502}}\n\ndata: [DONE]\n\n";
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(resp.as_bytes()).unwrap();
+        });
+        let pool = Pool::new(addr);
+        let out = send(&pool, "/v1/completions", Bytes::from_static(b"{}"), &[], "").await;
+        assert_eq!((out.status, out.chunks, out.ttft_ms), (200, 0, None));
+        assert!(
+            out.error
+                .as_deref()
+                .is_some_and(|e| e.contains("upstream reset")),
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -390,8 +390,17 @@ impl Run {
         affinity: Option<&str>,
     ) -> Outcome {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // A session's turn by the session and turn: ids follow the order
+        // the turns were sent in, which the router's speed decides, so the
+        // same turn reached a different instance from run to run.
+        let draw = match turn {
+            Some(t) => {
+                (crate::hash_key(key) ^ (t as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)) as usize
+            }
+            None => id,
+        };
         let target = match self.random_target {
-            Some(seed) => pick(seed, id, self.pools.len()),
+            Some(seed) => pick(seed, draw, self.pools.len()),
             None => target,
         };
         let start_s = self.t0.elapsed().as_secs_f64();
@@ -465,6 +474,22 @@ impl Run {
         }
     }
 
+    /// A session that stopped (a failed turn, the send deadline) records
+    /// each turn it never sent as an error: left out, a router whose
+    /// slowest sessions ran out of time showed fewer requests, all ok, and
+    /// its percentiles without their late, long-history turns.
+    fn unsent(&self, target: usize, key: &str, turns: std::ops::Range<usize>, why: &str) {
+        for t in turns {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let out = Outcome {
+                error: Some(format!("not sent: {why}")),
+                ..Outcome::default()
+            };
+            let now = self.t0.elapsed().as_secs_f64();
+            self.record(id, target, now, key, Some(t), &out);
+        }
+    }
+
     fn error_record(&self, target: usize, key: &str, msg: &str) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let out = Outcome {
@@ -475,8 +500,16 @@ impl Run {
     }
 }
 
-/// A target for request `id`: uniform, and the same for a given seed
-/// (splitmix64 of seed and id), so runs are repeatable.
+/// A stable 64-bit digest of a workload key (FNV-1a).
+fn hash_key(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A target for request `id` (or a session turn's draw): uniform, and the
+/// same for a given seed (splitmix64 of seed and id), so runs are
+/// repeatable.
 fn pick(seed: u64, id: usize, n: usize) -> usize {
     let mut z = seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -544,11 +577,13 @@ async fn run_conversations(
             tokio::time::sleep(Duration::from_secs_f64(conv.start * scale)).await;
             let mut messages = vec![json!({"role": "system", "content": conv.system})];
             let mut token: Option<String> = None;
+            let total = conv.user_turns.len();
             for (t, user) in conv.user_turns.iter().enumerate() {
                 if t > 0 {
                     tokio::time::sleep(Duration::from_secs_f64(conv.think[t] * scale)).await;
                 }
                 if TInstant::now() > send_deadline {
+                    run.unsent(c, &conv.key, t..total, "the run's send deadline passed");
                     break;
                 }
                 messages.push(json!({"role": "user", "content": user}));
@@ -565,6 +600,7 @@ async fn run_conversations(
                     .await;
                 if out.error.is_some() {
                     // The conversation can't go on without its answer.
+                    run.unsent(c, &conv.key, t + 1..total, "an earlier turn failed");
                     break;
                 }
                 token = out.affinity.clone().or(token);
@@ -585,11 +621,13 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
         tasks.spawn(async move {
             tokio::time::sleep(Duration::from_secs_f64(session.start * scale)).await;
             let mut token: Option<String> = None;
-            for t in 0..session.turns() {
+            let total = session.turns();
+            for t in 0..total {
                 if t > 0 {
                     tokio::time::sleep(Duration::from_secs_f64(session.think[t] * scale)).await;
                 }
                 if TInstant::now() > send_deadline {
+                    run.unsent(c, &session.key, t..total, "the run's send deadline passed");
                     break;
                 }
                 let body = session.body(t, &model, max_tokens);
@@ -605,6 +643,7 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
                     .await;
                 if out.error.is_some() {
                     // An agent stops when a step fails.
+                    run.unsent(c, &session.key, t + 1..total, "an earlier turn failed");
                     break;
                 }
                 token = out.affinity.clone().or(token);
@@ -858,5 +897,162 @@ mod tests {
         assert!(n.iter().all(|&c| (9_000..11_000).contains(&c)), "{n:?}");
         assert_eq!(pick(7, 123, 3), pick(7, 123, 3));
         assert_eq!(pick(7, 5, 1), 0);
+    }
+}
+
+/// Session runs against local stand-ins: a dead port, or a server that
+/// answers every request after `delay` with one token.
+#[cfg(test)]
+mod session_tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use clap::Parser;
+
+    use super::{run_sessions, stats, Cli, Plan, Pool, Run, Session, TInstant};
+
+    fn dead_port() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    }
+
+    fn slow_server(delay: Duration) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { return };
+                std::thread::spawn(move || {
+                    let (mut buf, mut chunk) = (Vec::new(), vec![0u8; 65536]);
+                    loop {
+                        let n = s.read(&mut chunk).unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap_or(0));
+                        if buf.len() >= p + 4 + len {
+                            break;
+                        }
+                    }
+                    std::thread::sleep(delay);
+                    let body =
+                        "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\ndata: [DONE]\n\n";
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = s.write_all(resp.as_bytes());
+                });
+            }
+        });
+        addr
+    }
+
+    fn agentic(targets: &str, extra: &[&str]) -> (Cli, Vec<Session>) {
+        let mut args = vec![
+            "prefix-bench",
+            "--target",
+            targets,
+            "--time-scale",
+            "0.0001",
+        ];
+        args.extend_from_slice(extra);
+        let cli = Cli::parse_from(args);
+        let Ok((_, Plan::Sessions(sessions), _)) = super::plan(&cli) else {
+            panic!("an agentic plan");
+        };
+        (cli, sessions)
+    }
+
+    fn run(cli: &Cli, random: bool, hard: Duration) -> Arc<Run> {
+        let t0 = TInstant::now();
+        Arc::new(Run {
+            pools: cli.target.iter().map(|t| Pool::new(t.clone())).collect(),
+            t0,
+            hard_deadline: t0 + hard,
+            session_header: String::new(),
+            affinity_header: String::new(),
+            random_target: random.then_some(cli.seed),
+            records: Default::default(),
+            itl: Default::default(),
+            sent: Default::default(),
+            next_id: Default::default(),
+            keep_bodies: false,
+        })
+    }
+
+    /// Turns a session never sent (it stopped at a failed turn, or the
+    /// send deadline passed) are errors in the summary, so two routers'
+    /// summaries cover the same planned requests.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn turns_a_session_never_sent_are_counted_as_errors() {
+        let (cli, sessions) = agentic(&dead_port(), &["agentic", "--sessions", "3"]);
+        let planned: usize = sessions.iter().map(Session::turns).sum();
+        let r = run(&cli, false, Duration::from_secs(10));
+        run_sessions(r.clone(), sessions, &cli, r.hard_deadline).await;
+        let recs = r.records.lock().unwrap().clone();
+        let s = stats::summarize(&recs, &[], cli.time_scale, 4);
+        assert_eq!((s.requests, s.errors), (planned, planned));
+
+        let (cli, sessions) = agentic(
+            &slow_server(Duration::from_millis(100)),
+            &["agentic", "--sessions", "2"],
+        );
+        let planned: usize = sessions.iter().map(Session::turns).sum();
+        let r = run(&cli, false, Duration::from_secs(6));
+        run_sessions(r.clone(), sessions, &cli, r.t0 + Duration::from_millis(700)).await;
+        let recs = r.records.lock().unwrap().clone();
+        let s = stats::summarize(&recs, &[], cli.time_scale, 1);
+        assert_eq!(s.requests, planned);
+        assert!(s.ok > 0 && s.errors > 0, "{} ok, {} errors", s.ok, s.errors);
+        assert!(recs.iter().filter(|r| !r.ok).all(|r| r
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("not sent"))));
+    }
+
+    /// With random instances, a session's turn reaches the same instance
+    /// in every run, whatever order the turns happened to be sent in.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_turn_goes_to_the_same_instance_in_every_run() {
+        let addr = slow_server(Duration::from_millis(20));
+        let targets = format!("{addr},{addr},{addr}");
+        let extra = [
+            "--random-target",
+            "agentic",
+            "--sessions",
+            "4",
+            "--min-turns",
+            "3",
+            "--max-turns",
+            "3",
+        ];
+        let mut maps = Vec::new();
+        for _ in 0..4 {
+            let (cli, sessions) = agentic(&targets, &extra);
+            let r = run(&cli, true, Duration::from_secs(20));
+            run_sessions(r.clone(), sessions, &cli, r.t0 + Duration::from_secs(10)).await;
+            let recs = r.records.lock().unwrap().clone();
+            assert!(recs.iter().all(|r| r.ok), "{recs:?}");
+            let m: BTreeMap<(String, usize), usize> = recs
+                .iter()
+                .map(|r| ((r.key.clone(), r.turn.unwrap()), r.target))
+                .collect();
+            maps.push(m);
+        }
+        assert_eq!(maps[0].len(), 12);
+        assert!(maps.windows(2).all(|w| w[0] == w[1]), "{maps:?}");
+        let used: std::collections::BTreeSet<usize> = maps[0].values().copied().collect();
+        assert!(used.len() > 1, "{used:?}");
     }
 }

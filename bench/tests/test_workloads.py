@@ -165,6 +165,18 @@ def test_report_has_later_turns_for_agentic():
     assert "1,280 sent by more than one request" in md and "1.3x one replica's KV cache" in md
 
 
+def test_turns_without_a_first_token_open_their_key_but_have_no_ttft():
+    recs = [
+        {"key": "s1", "ok": True, "start_s": 0.0, "ttft_ms": None},
+        {"key": "s1", "ok": True, "start_s": 1.0, "ttft_ms": 100.0},
+        {"key": "s2", "ok": True, "start_s": 2.0, "ttft_ms": 50.0},
+        {"key": "s2", "ok": False, "start_s": 3.0, "ttft_ms": None},
+    ]
+    first, later = orchestrate.turns_ttft({"records": recs}, 0.25)
+    assert (first, later) == ([200.0], [400.0])
+    assert orchestrate.later_turns_ttft({"records": recs}, 0.25)["n"] == 1
+
+
 def test_warm_ttft_skips_the_first_quarter():
     recs = [{"ok": True, "start_s": float(i), "ttft_ms": (1000.0 if i < 25 else 10.0)} for i in range(100)]
     recs.append({"ok": False, "start_s": 99.0, "ttft_ms": None})
