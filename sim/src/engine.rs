@@ -283,7 +283,11 @@ impl Engine {
         plan
     }
 
-    /// Pops the head of the queue if its adapter and KV blocks fit.
+    /// Takes the first waiting request whose adapter can be loaded, if its
+    /// KV blocks fit. As vLLM's scheduler does, a request waiting for an
+    /// adapter slot is skipped and stays where it is (it blocked every
+    /// request behind it, base-model ones too), while one short of KV
+    /// blocks stops admission (head of line).
     fn admit_next(&mut self, plan: &mut Plan) -> Option<Seq> {
         while self
             .waiting
@@ -292,19 +296,17 @@ impl Engine {
         {
             self.waiting.pop_front();
         }
-        let head = self.waiting.front()?;
+        let at = (self.waiting.iter()).position(|s| self.lora_fits(s.sub.lora))?;
+        let head = self.waiting.get(at)?;
         let lora = head.sub.lora;
         let bs = self.cfg.block_size;
         let total = (head.sub.prompt_len + head.sub.max_tokens).div_ceil(bs);
         // At least one prompt token must be computed to produce logits, as in
         // vLLM: a fully cached prompt recomputes its last block.
         let max_hit = head.sub.prompt_len.saturating_sub(1) / bs;
-        if !self.lora_fits(lora) {
-            return None;
-        }
         let alloc = self.kv.allocate(&head.sub.block_hashes, max_hit, total)?;
         plan.lora_load_ms += self.load_lora(lora);
-        let mut s = self.waiting.pop_front()?;
+        let mut s = self.waiting.remove(at)?;
         s.blocks = alloc.blocks;
         s.registered = alloc.hit_blocks;
         s.cached = alloc.hit_blocks * bs;
@@ -636,6 +638,33 @@ mod tests {
         let (again, u) = run(&h, &m, &p, 1, Some(0)).await;
         assert_eq!(u.cached_tokens, 96);
         assert!(again < base);
+    }
+
+    /// A request waiting for an adapter slot doesn't hold up a base-model
+    /// request behind it (vLLM skips it and keeps scheduling).
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_an_adapter_slot_does_not_block_the_queue() {
+        let (h, _m) = start(Preset::Fast.config()); // max_loras 1
+        let mut a = submit(&h, &prompt(34, 32), 300, Some(0)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut b = submit(&h, &prompt(35, 32), 1, Some(1)).await;
+        let mut c = submit(&h, &prompt(36, 32), 1, None).await;
+        while !matches!(c.recv().await, Some(Event::Done(_)) | None) {}
+        let mut a_done = false;
+        while let Ok(ev) = a.try_recv() {
+            a_done |= matches!(ev, Event::Done(_));
+        }
+        assert!(
+            !a_done,
+            "the base request waited for adapter 0's whole request"
+        );
+        // The adapter request still runs once the slot is free.
+        while !matches!(b.recv().await, Some(Event::Done(_)) | None) {}
+        let mut a_done = false;
+        while let Ok(ev) = a.try_recv() {
+            a_done |= matches!(ev, Event::Done(_));
+        }
+        assert!(a_done, "adapter 1 ran while adapter 0 held the only slot");
     }
 
     #[tokio::test(start_paused = true)]
