@@ -752,7 +752,7 @@ def parser() -> argparse.ArgumentParser:
                     help="shrinks shared-prefix/unique counts and the KV cache together (1 = published size)")
     ap.add_argument("--replicas", type=int, default=0,
                     help="default: 8 (shared-prefix, unique), 4 (multi-turn, long-preamble, agentic)")
-    ap.add_argument("--preset", default=None, help="replica-sim preset: fast | a10g-7b | l4-7b")
+    ap.add_argument("--preset", default=None, help="replica-sim preset: fast | a10g-7b | a10g-7b-ctx | l4-7b")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="replica-sim time scale (real s per simulated s); latencies are reported in simulated ms")
     ap.add_argument("--kv-tokens", type=int, default=None,

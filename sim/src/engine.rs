@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::{BlockId, KvCache};
 use crate::metrics::Metrics;
-use crate::preset::EngineConfig;
+use crate::preset::{EngineConfig, Work};
 use crate::tokenizer::output_piece;
 
 /// Queue depth between HTTP handlers and the engine; handlers wait when full.
@@ -142,7 +142,20 @@ struct Engine {
 struct Plan {
     prefill_tokens: usize,
     decode_seqs: usize,
+    /// See `preset::Work`.
+    attention_pairs: f64,
+    decode_context: usize,
     lora_load_ms: f64,
+}
+
+impl Plan {
+    /// A prefill chunk: its tokens, and the context they attend to (what
+    /// is computed before them, and half the chunk, causally).
+    fn add_prefill(&mut self, s: &Seq) {
+        let n = s.step_prefill as f64;
+        self.prefill_tokens += s.step_prefill;
+        self.attention_pairs += n * (s.computed as f64 + n / 2.0);
+    }
 }
 
 impl Engine {
@@ -186,7 +199,13 @@ impl Engine {
                 }
                 continue;
             }
-            let ms = self.cfg.step_ms(plan.prefill_tokens, plan.decode_seqs) + plan.lora_load_ms;
+            let work = Work {
+                prefill: plan.prefill_tokens,
+                decode: plan.decode_seqs,
+                attention_pairs: plan.attention_pairs,
+                decode_context: plan.decode_context,
+            };
+            let ms = self.cfg.step_cost(&work) + plan.lora_load_ms;
             self.sleep_sim(ms).await;
             self.sim_ms += ms;
             self.finish_step();
@@ -264,12 +283,13 @@ impl Engine {
             if s.step_decode {
                 budget -= 1;
                 plan.decode_seqs += 1;
+                plan.decode_context += s.sub.prompt_len + s.generated;
             }
         }
         for s in self.running.iter_mut().filter(|s| !s.step_decode) {
             s.step_prefill = (s.sub.prompt_len - s.computed).min(budget);
             budget -= s.step_prefill;
-            plan.prefill_tokens += s.step_prefill;
+            plan.add_prefill(s);
         }
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(mut s) = self.admit_next(&mut plan) else {
@@ -277,7 +297,7 @@ impl Engine {
             };
             s.step_prefill = (s.sub.prompt_len - s.computed).min(budget);
             budget -= s.step_prefill;
-            plan.prefill_tokens += s.step_prefill;
+            plan.add_prefill(&s);
             self.running.push(s);
         }
         plan

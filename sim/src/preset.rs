@@ -32,6 +32,17 @@ pub struct EngineConfig {
     pub decode_ms_per_step: f64,
     /// Extra decode cost for each further running sequence.
     pub decode_ms_per_seq: f64,
+    /// Attention in prefill: ms per million (query token, context token)
+    /// pairs. 0: a prompt token costs the same at any depth.
+    pub attention_ms_per_mpair: f64,
+    /// KV read by each decoding sequence: ms per thousand tokens of its
+    /// context. 0: a decoding sequence costs the same at any length.
+    pub decode_ms_per_kctx: f64,
+    /// Compute and memory traffic overlap (roofline): a step costs the
+    /// larger of its compute (prefill, attention) and its memory traffic
+    /// (the weights, streamed by any step, and the decoders' KV), not their
+    /// sum.
+    pub roofline: bool,
     /// Cost of loading a LoRA adapter that is not resident.
     pub lora_load_ms: f64,
     pub max_loras: usize,
@@ -44,6 +55,10 @@ pub enum Preset {
     /// NVIDIA A10G (24 GB), 7B model: ~30 ms/token decode, 0.4 ms/token prefill.
     #[value(name = "a10g-7b")]
     A10g7b,
+    /// `a10g-7b` with costs that grow with context: attention in prefill,
+    /// the KV each decoder reads, and the weights streamed by every step.
+    #[value(name = "a10g-7b-ctx")]
+    A10g7bCtx,
     /// NVIDIA L4 (24 GB), 7B model: ~60 ms/token decode, 0.5 ms/token prefill.
     #[value(name = "l4-7b")]
     L47b,
@@ -63,6 +78,16 @@ impl Preset {
                 decode_ms_per_seq: 0.1,
                 ..gpu_7b()
             },
+            Preset::A10g7bCtx => EngineConfig {
+                // ~0.4 MFLOP of attention per (query, context) pair against
+                // ~14 GFLOP of dense work per token (0.4 ms): 0.4 / 35,000
+                // ms per pair.
+                attention_ms_per_mpair: 11.4,
+                // 56 KiB of KV per context token at 600 GB/s.
+                decode_ms_per_kctx: 0.096,
+                roofline: true,
+                ..Preset::A10g7b.config()
+            },
             Preset::L47b => EngineConfig {
                 kv_blocks: 6250,
                 step_overhead_ms: 3.0,
@@ -81,6 +106,9 @@ impl Preset {
                 prefill_ms_per_token: 0.01,
                 decode_ms_per_step: 1.0,
                 decode_ms_per_seq: 0.01,
+                attention_ms_per_mpair: 0.0,
+                decode_ms_per_kctx: 0.0,
+                roofline: false,
                 lora_load_ms: 5.0,
                 max_loras: 1,
                 time_scale: 1.0,
@@ -101,22 +129,54 @@ fn gpu_7b() -> EngineConfig {
         prefill_ms_per_token: 0.4,
         decode_ms_per_step: 28.0,
         decode_ms_per_seq: 0.1,
+        attention_ms_per_mpair: 0.0,
+        decode_ms_per_kctx: 0.0,
+        roofline: false,
         lora_load_ms: 50.0,
         max_loras: 1,
         time_scale: 1.0,
     }
 }
 
+/// What one step computes, for its cost.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Work {
+    pub prefill: usize,
+    pub decode: usize,
+    /// Sum over the step's prompt tokens of the context each attends to.
+    pub attention_pairs: f64,
+    /// Sum of the decoding sequences' contexts.
+    pub decode_context: usize,
+}
+
 impl EngineConfig {
     /// Simulated duration of a step with `prefill` prompt tokens and
-    /// `decode` sequences each producing one token.
+    /// `decode` sequences each producing one token, at no context.
+    #[cfg(test)]
     pub fn step_ms(&self, prefill: usize, decode: usize) -> f64 {
-        let decode_ms = if decode == 0 {
+        self.step_cost(&Work {
+            prefill,
+            decode,
+            ..Work::default()
+        })
+    }
+
+    /// Simulated duration of a step that does `w`.
+    pub fn step_cost(&self, w: &Work) -> f64 {
+        let compute = self.prefill_ms_per_token * w.prefill as f64
+            + self.attention_ms_per_mpair * w.attention_pairs / 1e6;
+        let kv = self.decode_ms_per_kctx * w.decode_context as f64 / 1e3;
+        let decoders = self.decode_ms_per_seq * w.decode.saturating_sub(1) as f64;
+        if self.roofline {
+            let memory = self.decode_ms_per_step + decoders + kv;
+            return self.step_overhead_ms + compute.max(memory);
+        }
+        let decode_ms = if w.decode == 0 {
             0.0
         } else {
-            self.decode_ms_per_step + self.decode_ms_per_seq * (decode - 1) as f64
+            self.decode_ms_per_step + decoders + kv
         };
-        self.step_overhead_ms + self.prefill_ms_per_token * prefill as f64 + decode_ms
+        self.step_overhead_ms + compute + decode_ms
     }
 
     pub fn kv_tokens(&self) -> usize {
@@ -158,6 +218,7 @@ impl fmt::Display for Preset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = match self {
             Preset::A10g7b => "a10g-7b",
+            Preset::A10g7bCtx => "a10g-7b-ctx",
             Preset::L47b => "l4-7b",
             Preset::Fast => "fast",
         };
@@ -171,7 +232,12 @@ mod tests {
 
     #[test]
     fn presets_are_valid_and_match_their_sources() {
-        for p in [Preset::A10g7b, Preset::L47b, Preset::Fast] {
+        for p in [
+            Preset::A10g7b,
+            Preset::A10g7bCtx,
+            Preset::L47b,
+            Preset::Fast,
+        ] {
             p.config().validate().unwrap();
         }
         let a = Preset::A10g7b.config();
@@ -182,6 +248,42 @@ mod tests {
         // Batch growth is mild: 64 sequences cost well under 2x batch 1.
         assert!(a.step_ms(0, 64) < 1.5 * a.step_ms(0, 1));
         assert!((400.0..=500.0).contains(&(l.step_ms(1000, 0) - l.step_overhead_ms)));
+    }
+
+    /// The context-aware preset: a cached prompt still streams the
+    /// weights, a token deep in a long context costs more than one near
+    /// the start, and a decoder reads its KV.
+    #[test]
+    fn context_costs_grow_with_depth() {
+        let (flat, ctx) = (Preset::A10g7b.config(), Preset::A10g7bCtx.config());
+        let chunk = |start: usize, n: usize| Work {
+            prefill: n,
+            attention_pairs: n as f64 * (start as f64 + n as f64 / 2.0),
+            ..Work::default()
+        };
+        // A fully cached prompt: 16 tokens recomputed.
+        assert!(ctx.step_cost(&chunk(15_000, 16)) >= 30.0);
+        assert!(flat.step_cost(&chunk(15_000, 16)) < 10.0);
+        // 1,000 new tokens behind 15k and 50k cached: ~1.4x and ~2.3x.
+        let (shallow, deep) = (
+            ctx.step_cost(&chunk(0, 1000)),
+            ctx.step_cost(&chunk(15_000, 1000)),
+        );
+        assert!((1.3..1.6).contains(&(deep / shallow)), "{deep} / {shallow}");
+        let deeper = ctx.step_cost(&chunk(50_000, 1000));
+        assert!(
+            (2.1..2.6).contains(&(deeper / shallow)),
+            "{deeper} / {shallow}"
+        );
+        // A decoder at 15k context reads ~1.4 ms of KV a step.
+        let one = |c: usize| Work {
+            decode: 1,
+            decode_context: c,
+            ..Work::default()
+        };
+        assert!((1.3..1.6).contains(&(ctx.step_cost(&one(15_000)) - ctx.step_cost(&one(0)))));
+        // The flat presets keep their costs.
+        assert_eq!(flat.step_cost(&chunk(50_000, 1000)), flat.step_ms(1000, 0));
     }
 
     #[test]
