@@ -415,28 +415,40 @@ fn trailers_complete_the_body() {
     assert_eq!(fake.stat("requests_total"), 1);
 }
 
-#[test]
-fn no_eligible_replica_is_a_503_and_a_saturated_pool_sheds_with_a_429() {
-    let fake = Fake::new();
-    let w = worker(&fake, r#","cluster":"pool""#);
+/// Every replica of the pool scraped with a queue over the threshold, then
+/// a sheddable request (`doc(1)`): what its body callback answered, and
+/// the stream.
+fn sheddable_on_a_saturated_pool(fake: &Fake, w: &Rc<RefCell<Worker>>) -> (Action, HttpFilter) {
     let ids: Vec<ReplicaId> = POOL.iter().map(|e| id_of(e)).collect();
-    let now = fake.now.get();
     let busy = ReplicaMetrics {
         waiting: 9.0,
         ..ReplicaMetrics::default()
     };
     for &id in &ids {
-        record_scrape(&fake.store, id, Ok(&busy), &ids, now).unwrap();
+        record_scrape(&fake.store, id, Ok(&busy), &ids, fake.now.get()).unwrap();
     }
-    // Sheddable and every replica saturated: 429, and the stream stays
-    // paused (the reply is the answer).
     let body = doc(1);
     let mut headers = POST.to_vec();
     headers.push(("x-prefix-router-priority", b"sheddable"));
     fake.start(&headers, &body);
     let mut s = HttpFilter::new(Some(w.clone()));
-    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
-    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Pause);
+    assert_eq!(s.on_request_headers(fake, false), Action::Pause);
+    (s.on_request_body(fake, body.len(), true), s)
+}
+
+#[test]
+fn no_eligible_replica_is_a_503_and_a_saturated_pool_sheds_with_a_429() {
+    let fake = Fake::new();
+    let w = worker(&fake, r#","cluster":"pool""#);
+    // Sheddable and every replica saturated: 429, and the stream stays
+    // paused (the reply is the answer).
+    let (action, mut s) = sheddable_on_a_saturated_pool(&fake, &w);
+    assert_eq!(action, Action::Pause);
+    let (ids, now, body): (Vec<ReplicaId>, _, _) = (
+        POOL.iter().map(|e| id_of(e)).collect(),
+        fake.now.get(),
+        doc(1),
+    );
     let r = fake.replies.borrow().last().cloned().unwrap();
     assert_eq!((r.status, r.details.as_str()), (429, "saturated"));
     assert!(r.headers.contains(&("retry-after".into(), "1".into())));
@@ -743,21 +755,7 @@ fn shadow_mode_counts_what_it_would_shed_and_routes_it() {
     let answer = |mode: &str| {
         let fake = Fake::new();
         let w = worker(&fake, &format!(r#","cluster":"pool","mode":"{mode}""#));
-        let ids: Vec<ReplicaId> = POOL.iter().map(|e| id_of(e)).collect();
-        let busy = ReplicaMetrics {
-            waiting: 9.0,
-            ..ReplicaMetrics::default()
-        };
-        for &id in &ids {
-            record_scrape(&fake.store, id, Ok(&busy), &ids, fake.now.get()).unwrap();
-        }
-        let body = doc(1);
-        let mut headers = POST.to_vec();
-        headers.push(("x-prefix-router-priority", b"sheddable"));
-        fake.start(&headers, &body);
-        let mut s = HttpFilter::new(Some(w.clone()));
-        assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
-        let action = s.on_request_body(&fake, body.len(), true);
+        let (action, _) = sheddable_on_a_saturated_pool(&fake, &w);
         let replies: Vec<u32> = fake.replies.borrow().iter().map(|r| r.status).collect();
         let routed = fake.header(Map::Request, DEST).is_some();
         let would_shed = fake.stat("shadow.would_shed");

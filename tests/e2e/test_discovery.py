@@ -104,6 +104,15 @@ def served_by(port: int, n: int) -> Counter:
     return c
 
 
+def wait_stat(envoy, name: str, value: int, seconds: float = 10, poll: float = 0.1) -> float:
+    """Wait until a stat reads `value` (asserted); the seconds it took."""
+    start = time.time()
+    while time.time() < start + seconds and envoy.stat(name) != value:
+        time.sleep(poll)
+    assert envoy.stat(name) == value, name
+    return time.time() - start
+
+
 def test_pool_follows_envoys_hosts(tmp_path):
     with backends(3, metrics=vllm_metrics(running=2, kv=0.3)) as (a, b, c):
         path = tmp_path / "eds.yaml"
@@ -114,10 +123,7 @@ def test_pool_follows_envoys_hosts(tmp_path):
             "max_fallbacks": 1,
         }
         with Envoy(config(path, plugin), concurrency=2) as envoy:
-            deadline = time.time() + 10
-            while time.time() < deadline and envoy.stat("prefix_router.discovery.hosts") != 2:
-                time.sleep(0.1)
-            assert envoy.stat("prefix_router.discovery.hosts") == 2
+            wait_stat(envoy, "prefix_router.discovery.hosts", 2)
             time.sleep(0.5)
             first = served_by(envoy.port, 40)
             assert set(first) == {str(a.port), str(b.port)}, first
@@ -154,17 +160,10 @@ def test_discovery_keeps_its_own_interval_when_scrapes_are_rarer(tmp_path):
             "staleness_ms": 20000,
         }
         with Envoy(config(path, plugin), concurrency=1) as envoy:
-            deadline = time.time() + 10
-            while time.time() < deadline and envoy.stat("prefix_router.discovery.hosts") != 2:
-                time.sleep(0.05)
-            assert envoy.stat("prefix_router.discovery.hosts") == 2
+            wait_stat(envoy, "prefix_router.discovery.hosts", 2, poll=0.05)
             # Right after a scrape round: the next one is ~5 s away.
             eds(path, [a.addr, b.addr, c.addr])
-            changed = time.time()
-            while time.time() < changed + 10 and envoy.stat("prefix_router.discovery.hosts") != 3:
-                time.sleep(0.05)
-            took = time.time() - changed
-            assert envoy.stat("prefix_router.discovery.hosts") == 3
+            took = wait_stat(envoy, "prefix_router.discovery.hosts", 3, poll=0.05)
             assert took < 3.0, f"the new host was discovered {took:.1f} s later"
 
 
@@ -190,10 +189,7 @@ def test_a_reloaded_vm_routes_to_the_discovered_pool_at_once(tmp_path):
         wasm["failure_policy"] = "FAIL_RELOAD"
         wasm["reload_config"] = {"backoff": {"base_interval": "0.1s", "max_interval": "0.2s"}}
         with Envoy(cfg, concurrency=1) as envoy:
-            deadline = time.time() + 10
-            while time.time() < deadline and envoy.stat("prefix_router.eligible_replicas") != 2:
-                time.sleep(0.1)
-            assert envoy.stat("prefix_router.eligible_replicas") == 2
+            wait_stat(envoy, "prefix_router.eligible_replicas", 2)
             results = []
             # Nine: the new VM counts from 1 again and would trap on its fifth.
             for i in range(9):
