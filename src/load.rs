@@ -276,12 +276,11 @@ impl LoadBoard {
     }
 
     /// What this VM publishes: at most `MAX_LOADS` entries, which a reader
-    /// always accepts.
+    /// always accepts. (After `trim` more are left only when every one has
+    /// work in flight: more replicas busy with this VM's requests than two
+    /// full pools.)
     fn published(&self) -> Vec<(ReplicaId, Load)> {
-        let busy = (self.local.iter()).filter(|(_, l)| l.requests > 0 || l.work > 0);
-        let idle = (self.local.iter()).filter(|(_, l)| l.requests == 0 && l.work == 0);
-        busy.chain(idle)
-            .take(MAX_LOADS)
+        (self.local.iter().take(MAX_LOADS))
             .map(|(k, v)| (*k, *v))
             .collect()
     }

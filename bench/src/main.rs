@@ -390,18 +390,16 @@ impl Run {
         affinity: Option<&str>,
     ) -> Outcome {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // A session's turn by the session and turn: ids follow the order
-        // the turns were sent in, which the router's speed decides, so the
-        // same turn reached a different instance from run to run.
-        let draw = match turn {
-            Some(t) => {
-                (crate::hash_key(key) ^ (t as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)) as usize
+        let n = self.pools.len().max(1);
+        let target = match (self.random_target, turn) {
+            // A session's turn by the session and turn: ids follow the order
+            // the turns were sent in, which the router's speed decides, so
+            // the same turn reached a different instance from run to run.
+            (Some(seed), Some(t)) => {
+                (text::Rng::derive(seed, key, t as u64).next_u64() % n as u64) as usize
             }
-            None => id,
-        };
-        let target = match self.random_target {
-            Some(seed) => pick(seed, draw, self.pools.len()),
-            None => target,
+            (Some(seed), None) => pick(seed, id, n),
+            (None, _) => target,
         };
         let start_s = self.t0.elapsed().as_secs_f64();
         let bytes = Bytes::from(body.to_string());
@@ -480,36 +478,22 @@ impl Run {
     /// its percentiles without their late, long-history turns.
     fn unsent(&self, target: usize, key: &str, turns: std::ops::Range<usize>, why: &str) {
         for t in turns {
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let out = Outcome {
-                error: Some(format!("not sent: {why}")),
-                ..Outcome::default()
-            };
-            let now = self.t0.elapsed().as_secs_f64();
-            self.record(id, target, now, key, Some(t), &out);
+            self.error_record(target, key, Some(t), &format!("not sent: {why}"));
         }
     }
 
-    fn error_record(&self, target: usize, key: &str, msg: &str) {
+    fn error_record(&self, target: usize, key: &str, turn: Option<usize>, msg: &str) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let out = Outcome {
             error: Some(msg.into()),
             ..Outcome::default()
         };
-        self.record(id, target, self.t0.elapsed().as_secs_f64(), key, None, &out);
+        self.record(id, target, self.t0.elapsed().as_secs_f64(), key, turn, &out);
     }
 }
 
-/// A stable 64-bit digest of a workload key (FNV-1a).
-fn hash_key(key: &str) -> u64 {
-    key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// A target for request `id` (or a session turn's draw): uniform, and the
-/// same for a given seed (splitmix64 of seed and id), so runs are
-/// repeatable.
+/// A target for request `id`: uniform, and the same for a given seed
+/// (splitmix64 of seed and id), so runs are repeatable.
 fn pick(seed: u64, id: usize, n: usize) -> usize {
     let mut z = seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -528,7 +512,7 @@ async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: T
         }
         tokio::time::sleep_until(at).await;
         let Ok(permit) = inflight.clone().try_acquire_owned() else {
-            run.error_record(i, &r.key, "overload: client max-inflight reached");
+            run.error_record(i, &r.key, None, "overload: client max-inflight reached");
             continue;
         };
         let run = run.clone();

@@ -328,7 +328,8 @@ fn salt(s: &str) -> String {
 /// caches them; nine bytes alone left a picture and its question under
 /// one block, with no checkpoint, routed as if it had no prompt.
 pub const MEDIA_BYTES: usize = 2048;
-const MEDIA_FILL: [u8; MEDIA_BYTES - 9] = [0; MEDIA_BYTES - 9];
+/// After the part's mark and its 8-byte digest.
+const MEDIA_FILL: [u8; MEDIA_BYTES - 1 - 8] = [0; MEDIA_BYTES - 1 - 8];
 
 /// Text parts that follow one another are joined by a line break, as the
 /// model server joins them (vLLM's chat utils): `["Summarize.", "Be

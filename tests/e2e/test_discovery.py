@@ -113,15 +113,21 @@ def wait_stat(envoy, name: str, value: int, seconds: float = 10, poll: float = 0
     return time.time() - start
 
 
+def discovering(interval_ms: int = 200, **plugin) -> dict:
+    """A plugin config that discovers the `pool` cluster through
+    `envoy_admin` and scrapes through the pool."""
+    return {
+        "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": interval_ms},
+        "cluster": "pool",
+        **plugin,
+    }
+
+
 def test_pool_follows_envoys_hosts(tmp_path):
     with backends(3, metrics=vllm_metrics(running=2, kv=0.3)) as (a, b, c):
         path = tmp_path / "eds.yaml"
         eds(path, [a.addr, b.addr])
-        plugin = {
-            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 200},
-            "cluster": "pool",
-            "max_fallbacks": 1,
-        }
+        plugin = discovering(max_fallbacks=1)
         with Envoy(config(path, plugin), concurrency=2) as envoy:
             wait_stat(envoy, "prefix_router.discovery.hosts", 2)
             time.sleep(0.5)
@@ -153,12 +159,7 @@ def test_discovery_keeps_its_own_interval_when_scrapes_are_rarer(tmp_path):
     with backends(3, metrics=vllm_metrics(running=1, kv=0.1)) as (a, b, c):
         path = tmp_path / "eds.yaml"
         eds(path, [a.addr, b.addr])
-        plugin = {
-            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 200},
-            "cluster": "pool",
-            "scrape_interval_ms": 5000,
-            "staleness_ms": 20000,
-        }
+        plugin = discovering(scrape_interval_ms=5000, staleness_ms=20000)
         with Envoy(config(path, plugin), concurrency=1) as envoy:
             wait_stat(envoy, "prefix_router.discovery.hosts", 2, poll=0.05)
             # Right after a scrape round: the next one is ~5 s away.
@@ -176,13 +177,7 @@ def test_a_reloaded_vm_routes_to_the_discovered_pool_at_once(tmp_path):
     with backends(2, metrics=vllm_metrics()) as bs:
         path = tmp_path / "eds.yaml"
         eds(path, [b.addr for b in bs])
-        plugin = {
-            "discovery": {"cluster": "pool", "admin_cluster": "envoy_admin", "interval_ms": 1000},
-            "cluster": "pool",
-            "scrape_interval_ms": 1000,
-            "tick_ms": 1000,
-            "debug_trap_on_request": 5,
-        }
+        plugin = discovering(1000, scrape_interval_ms=1000, tick_ms=1000, debug_trap_on_request=5)
         cfg = config(path, plugin)
         wasm = wasm_http_filter(hcm_of(cfg))["typed_config"]["config"]
         wasm["vm_config"]["code"]["local"]["filename"] = str(WASM_FAULT)
