@@ -260,8 +260,9 @@ def venv_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-# Session-affinity token header (--affinity).
+# Session-affinity token header (--affinity) and cookie (--affinity-cookie).
 AFFINITY_HEADER = "x-prefix-router-affinity"
+AFFINITY_COOKIE = "prefix-router"
 # Extra prefix-router plugin keys from --plugin (tuning experiments).
 PLUGIN_EXTRA: dict = {}
 # Extra command-line arguments per peer router (`--sglang-args`,
@@ -626,6 +627,8 @@ def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
            "--seed", str(a.seed), "--replicas", str(len(sim.addrs)), "--tokenize", sim.addrs[0],
            "--session-header", SESSION_HEADER, "--max-duration", str(a.max_run_seconds),
            *(["--affinity-header", AFFINITY_HEADER] if a.affinity else []),
+           *(["--affinity-cookie", AFFINITY_COOKIE, "--cookie-jars", a.affinity_cookie]
+             if a.affinity_cookie else []),
            "--drain", str(a.drain_seconds), "--out", str(out), *prof["load"]]
     p = own(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
@@ -646,6 +649,8 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
         label += f" (c={a.envoy_concurrency})" if a.envoy_concurrency != 2 else ""
     if kind.startswith("prefix-router") and a.affinity:
         label += " +affinity"
+    if kind.startswith("prefix-router") and a.affinity_cookie:
+        label += f" +cookie ({'one jar' if a.affinity_cookie == 'shared' else 'a jar per session'})"
     row = {"workload": workload, "router": kind, "label": label, "envoy_instances": instances}
     records = f"runs/{workload}--{kind}" + (f"--x{instances}" if instances > 1 else "") + ".json"
     router = Router(kind, sim.addrs, a.envoy_concurrency, instances)
@@ -784,6 +789,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--affinity", action="store_true",
                     help="turn on prefix-router's session affinity and have conversations and agent "
                          "sessions echo its token (an opt-in client)")
+    ap.add_argument("--affinity-cookie", nargs="?", const="shared", choices=("shared", "session"),
+                    help="turn on prefix-router's session affinity with its cookie (no header is echoed). "
+                         "shared (the default): one cookie jar for every request of the run, as one SDK "
+                         "client shared by every conversation and session keeps it; clients_echo off. "
+                         "session: a jar per conversation or session (a client each); clients_echo on")
     ap.add_argument("--replica-change", choices=("remove", "add"), default=None,
                     help="prefix-router runs only: one replica leaves (its /metrics starts failing) or "
                          "joins (starts failing, then recovers) --change-after real seconds into the run; "
@@ -840,6 +850,13 @@ def main(argv: list[str] | None = None) -> int:
         # send the token back.
         PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
                                              "header": AFFINITY_HEADER, "clients_echo": True})
+    if a.affinity_cookie:
+        # A jar several sessions share loses the newest entries of some
+        # (responses race): with clients_echo, their next turns would be
+        # placed anew.
+        PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
+                                             "cookie": AFFINITY_COOKIE,
+                                             "clients_echo": a.affinity_cookie == "session"})
 
     if a.demo:
         a.workload, a.routers = "shared-prefix", "prefix-router,round-robin"

@@ -299,6 +299,15 @@ pub struct Affinity {
     /// token share (documents asked about by many users) may then be
     /// copied once per instance.
     pub clients_echo: bool,
+    /// Also carry the session in this cookie, for clients that keep
+    /// cookies but don't echo headers (an OpenAI SDK client, a browser).
+    /// A cookie is followed only by a prompt that continues the one it
+    /// was set for (see `affinity::cookie`): one client's jar may serve
+    /// several sessions.
+    pub cookie: Option<String>,
+    /// Sessions one cookie remembers (a jar several sessions share keeps
+    /// the latest this many), at most `affinity::cookie::MAX_SESSIONS`.
+    pub cookie_sessions: usize,
 }
 
 impl Default for Affinity {
@@ -308,6 +317,8 @@ impl Default for Affinity {
             key: String::new(),
             max_age_s: 3600,
             clients_echo: false,
+            cookie: None,
+            cookie_sessions: 16,
         }
     }
 }
@@ -320,6 +331,8 @@ impl fmt::Debug for Affinity {
             .field("key", &format_args!("<{} bytes>", self.key.len()))
             .field("max_age_s", &self.max_age_s)
             .field("clients_echo", &self.clients_echo)
+            .field("cookie", &self.cookie)
+            .field("cookie_sessions", &self.cookie_sessions)
             .finish()
     }
 }
@@ -471,6 +484,11 @@ impl Config {
             return Err(invalid("affinity.key", why));
         }
         range("affinity.max_age_s", a.max_age_s, 1, 604_800)?;
+        if let Some(c) = &a.cookie {
+            cookie_name("affinity.cookie", c)?;
+        }
+        let (n, most) = (a.cookie_sessions, crate::affinity::cookie::MAX_SESSIONS);
+        range("affinity.cookie_sessions", n as u64, 1, most as u64)?;
         Ok(())
     }
 
@@ -570,6 +588,20 @@ fn header_name(key: &'static str, name: &str) -> Result<(), ConfigError> {
         });
     if !ok {
         let why = format!("`{name}` is not a valid lowercase HTTP header name");
+        return Err(invalid(key, why));
+    }
+    Ok(())
+}
+
+/// A cookie name is an HTTP token (RFC 6265), of any case.
+fn cookie_name(key: &'static str, name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    if !ok {
+        let why = format!("`{name}` is not a valid cookie name");
         return Err(invalid(key, why));
     }
     Ok(())
@@ -869,6 +901,13 @@ mod tests {
         let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
         assert_eq!((a.header.as_str(), a.max_age_s), ("x-session", 604_800));
         assert!(a.clients_echo);
+        assert_eq!(a.cookie, None);
+        let json = format!(
+            r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"key":"{KEY}","cookie":"PR_affinity"}}}}"#
+        );
+        let a = Config::parse(json.as_bytes()).unwrap().affinity.unwrap();
+        assert_eq!(a.cookie.as_deref(), Some("PR_affinity"));
+        assert_eq!(a.cookie_sessions, 16);
     }
 
     #[test]
@@ -885,6 +924,16 @@ mod tests {
             r#"{{"header":"x-gateway-destination-endpoint","key":"{KEY}"}}"#
         ));
         assert!(err(&clash).contains("`affinity.header`"));
+        for name in ["", "a=b", "a b", "semi;colon", &"c".repeat(65)] {
+            let json = with(&format!(r#"{{"key":"{KEY}","cookie":"{name}"}}"#));
+            assert!(err(&json).contains("`affinity.cookie`"), "{name}");
+        }
+        for n in ["0", "65"] {
+            let json = with(&format!(
+                r#"{{"key":"{KEY}","cookie":"pr","cookie_sessions":{n}}}"#
+            ));
+            assert!(err(&json).contains("`affinity.cookie_sessions`"), "{n}");
+        }
         for age in ["0", "604801", "4294967306"] {
             let json = with(&format!(r#"{{"key":"{KEY}","max_age_s":{age}}}"#));
             assert!(err(&json).contains("`affinity.max_age_s`"), "{age}");

@@ -20,10 +20,32 @@ pub fn request_body(data: &[u8]) {
         let h = Hashed::of(&p, &cfg);
         // The filter's one-pass parse-and-hash agrees with render-then-hash.
         if p.text.len() < CAP {
-            if let Ok((_, streamed)) = Hashed::parse(data, &cfg) {
+            // Probes (the affinity cookie's) anywhere, some past the end.
+            let blocks = h.blocks();
+            let probes = [
+                1,
+                3,
+                blocks / 3,
+                blocks.saturating_sub(1),
+                blocks,
+                blocks + 1,
+            ];
+            if let Ok((_, streamed)) = Hashed::parse_probing(data, &cfg, &probes) {
                 assert_eq!(streamed.checkpoints, h.checkpoints);
                 assert_eq!(streamed.lead_blocks, h.lead_blocks);
                 assert_eq!(streamed.later_turn, h.later_turn);
+                for pr in &streamed.probes {
+                    let shorter = p.text.get(..pr.blocks as usize * cfg.block_bytes);
+                    let mut q = p.clone();
+                    q.text = shorter.unwrap_or_default().to_vec();
+                    let last = Hashed::of(&q, &cfg).checkpoints.last().map(|c| c.hash);
+                    assert_eq!(last, Some(pr.hash));
+                }
+                let reached = probes.iter().filter(|&&b| b > 0 && b <= blocks);
+                let mut reached: Vec<u32> = reached.copied().collect();
+                reached.sort_unstable();
+                reached.dedup();
+                assert_eq!(streamed.probes.len(), reached.len());
             }
         }
         assert_eq!(h.blocks() as usize, p.text.len() / cfg.block_bytes);
@@ -72,4 +94,25 @@ pub fn shared_records(data: &[u8]) {
 /// Envoy admin `/clusters?format=json` answers (discovery).
 pub fn admin_clusters(data: &[u8]) {
     crate::discovery::check_admin_json(data);
+}
+
+/// Affinity tokens and cookies as a client may send them: a header token,
+/// a cookie header, and a cookie value, none of which may panic; a value
+/// that opens is within the jar's bounds.
+pub fn affinity_values(data: &[u8]) {
+    use crate::affinity::{self, cookie};
+    const KEY: &[u8] = b"fuzzing-key-fuzzing-key-fuzzing-key";
+    let _ = affinity::verify(KEY, data, 1_000_000, 3600);
+    if let Ok(jar) = cookie::Jar::open(KEY, data, 1_000_000, 3600) {
+        assert!((1..=cookie::MAX_SESSIONS).contains(&jar.probes().len()));
+    }
+    let headers = vec![(b"cookie".to_vec(), data.to_vec())];
+    if let Some(v) = cookie::find(&headers, "pr") {
+        let _ = cookie::Jar::open(KEY, v, 1_000_000, 3600);
+        // Stripped, none of ours is left for the upstream.
+        if let Some(rest) = cookie::without(&headers, "pr") {
+            let after = vec![(b"cookie".to_vec(), rest.into_bytes())];
+            assert!(cookie::find(&after, "pr").is_none());
+        }
+    }
 }

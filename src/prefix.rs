@@ -138,6 +138,17 @@ pub struct Hasher {
     fed: u64,
     carry: Vec<u8>,
     out: Vec<Checkpoint>,
+    /// Block counts still to probe, descending (the next one last).
+    probes: Vec<u32>,
+    probed: Vec<Probe>,
+}
+
+/// The hash of a prompt's first `blocks` blocks, taken off the schedule
+/// (see [`Hasher::probing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Probe {
+    pub blocks: u32,
+    pub hash: u64,
 }
 
 impl Hasher {
@@ -151,9 +162,24 @@ impl Hasher {
             fed: 0,
             carry: Vec::with_capacity(GATHER.max(block_bytes) + block_bytes),
             out: Vec::new(),
+            probes: Vec::new(),
+            probed: Vec::new(),
         };
         h.advance();
         h
+    }
+
+    /// Also hash the prefixes of `blocks` blocks, wherever they end: each
+    /// probe equals the last checkpoint of an earlier prompt of that many
+    /// blocks with the same start (a conversation's previous turn), since
+    /// that one, too, is the hash state's digest there (see `finish`). A
+    /// probe doesn't re-seed the chain, so the checkpoints stay as they
+    /// are. Callers bound how many (the affinity cookie's sessions).
+    pub fn probing(mut self, blocks: &[u32]) -> Hasher {
+        self.probes = blocks.iter().copied().filter(|&b| b > 0).collect();
+        self.probes.sort_unstable_by(|a, b| b.cmp(a));
+        self.probes.dedup();
+        self
     }
 
     fn advance(&mut self) {
@@ -195,7 +221,15 @@ impl Hasher {
     /// Hash whole blocks, closing a checkpoint at each scheduled boundary.
     fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
-            let Some(boundary) = self.next else {
+            let probe = self
+                .probes
+                .last()
+                .map(|&b| u64::from(b) * self.block_bytes as u64);
+            let boundary = match (self.next, probe) {
+                (Some(n), Some(p)) => Some(n.min(p)),
+                (n, p) => n.or(p),
+            };
+            let Some(boundary) = boundary else {
                 self.state.update(bytes);
                 self.fed += bytes.len() as u64;
                 return;
@@ -205,7 +239,13 @@ impl Hasher {
             self.state.update(&bytes[..take]);
             self.fed += take as u64;
             bytes = &bytes[take..];
-            if self.fed == boundary {
+            if Some(self.fed) == probe {
+                if let Some(blocks) = self.probes.pop() {
+                    let hash = self.state.digest();
+                    self.probed.push(Probe { blocks, hash });
+                }
+            }
+            if Some(self.fed) == self.next {
                 let hash = self.state.digest();
                 self.out.push(Checkpoint {
                     blocks: self.next_blocks,
@@ -220,7 +260,12 @@ impl Hasher {
 
     /// The checkpoints, with one at the last whole block if it is off the
     /// schedule.
-    pub fn finish(mut self) -> Vec<Checkpoint> {
+    pub fn finish(self) -> Vec<Checkpoint> {
+        self.finish_probed().0
+    }
+
+    /// The checkpoints, and the probes the prompt reached.
+    pub fn finish_probed(mut self) -> (Vec<Checkpoint>, Vec<Probe>) {
         let gathered = std::mem::take(&mut self.carry);
         let whole = gathered.len() / self.block_bytes * self.block_bytes;
         self.feed(gathered.get(..whole).unwrap_or_default());
@@ -232,7 +277,7 @@ impl Hasher {
                 on_schedule: false,
             });
         }
-        self.out
+        (self.out, self.probed)
     }
 }
 
@@ -420,6 +465,38 @@ mod tests {
             h.push(&text[..len]);
             assert_eq!(h.finish(), hashes(&text[..len]), "{len} bytes");
         }
+    }
+
+    #[test]
+    fn a_probe_is_the_last_checkpoint_of_the_shorter_prompt() {
+        let text: Vec<u8> = (0..200_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let whole = hashes(&text);
+        // Off the schedule, on it (256, 576), past the prompt's end.
+        let at = [5u32, 256, 300, 576, 1999, 3124, 5000];
+        let mut h = Hasher::new(seed("m", None), 64, &S).probing(&at);
+        for chunk in text.chunks(777) {
+            h.push(chunk);
+        }
+        let (cps, probed) = h.finish_probed();
+        assert_eq!(cps, whole, "probes leave the checkpoints alone");
+        let want: Vec<Probe> = at[..6]
+            .iter()
+            .map(|&b| {
+                let last = hashes(&text[..b as usize * 64]).pop().unwrap();
+                Probe {
+                    blocks: b,
+                    hash: last.hash,
+                }
+            })
+            .collect();
+        assert_eq!(probed, want);
+        // Another start: no probe matches its last checkpoint.
+        let mut other = text.clone();
+        other[10] ^= 1;
+        let mut h = Hasher::new(seed("m", None), 64, &S).probing(&at);
+        h.push(&other);
+        let (_, probed) = h.finish_probed();
+        assert!(probed.iter().zip(&want).all(|(a, b)| a.hash != b.hash));
     }
 
     #[test]

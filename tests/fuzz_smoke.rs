@@ -128,3 +128,8 @@ fn shared_records() {
     }
     assert!(run("request", 5_000, fuzz::shared_records) > 5_000);
 }
+
+#[test]
+fn affinity_values() {
+    assert!(run("affinity", 20_000, fuzz::affinity_values) > 20_000);
+}

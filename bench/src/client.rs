@@ -80,6 +80,9 @@ pub struct Outcome {
     /// The response's session-affinity token (`--affinity-header`), for
     /// the conversation's next turn.
     pub affinity: Option<String>,
+    /// The value the response set for the affinity cookie
+    /// (`--affinity-cookie`), for the client's jar.
+    pub cookie: Option<String>,
     /// prefix-router's decision, when the filter runs with `debug_header`.
     pub decision: Option<String>,
 }
@@ -124,13 +127,30 @@ struct Details {
     cached_tokens: u64,
 }
 
+/// What a client takes back from a response for its next requests
+/// (empty names: nothing).
+#[derive(Debug, Clone, Default)]
+pub struct Echo {
+    /// The header carrying a session-affinity token.
+    pub header: String,
+    /// The cookie carrying the sessions' replicas.
+    pub cookie: String,
+}
+
+/// The value a `set-cookie` gives cookie `name`, if it is that cookie.
+fn cookie_value(set_cookie: &str, name: &str) -> Option<String> {
+    let pair = set_cookie.split(';').next()?.trim();
+    let (n, v) = pair.split_once('=')?;
+    (n.trim() == name).then(|| v.trim().to_string())
+}
+
 /// Sends one streaming request and reads the SSE stream to its end.
 pub async fn send(
     pool: &Pool,
     path: &str,
     body: Bytes,
     headers: &[(String, String)],
-    affinity_header: &str,
+    echo: &Echo,
 ) -> Outcome {
     let mut out = Outcome::default();
     let mut sender = match pool.get().await {
@@ -170,8 +190,13 @@ pub async fn send(
             .map(str::to_string)
     };
     out.served_by = header("x-served-by");
-    if !affinity_header.is_empty() {
-        out.affinity = header(affinity_header);
+    if !echo.header.is_empty() {
+        out.affinity = header(&echo.header);
+    }
+    if !echo.cookie.is_empty() {
+        out.cookie = (resp.headers().get_all("set-cookie").iter())
+            .filter_map(|v| v.to_str().ok())
+            .find_map(|v| cookie_value(v, &echo.cookie));
     }
     out.decision = header(DEBUG_HEADER);
     let ok = resp.status().is_success();
@@ -367,6 +392,17 @@ mod tests {
         assert!(sse.done);
     }
 
+    #[test]
+    fn the_affinity_cookie_is_picked_out_of_the_set_cookies() {
+        assert_eq!(
+            cookie_value("pr=abc; Max-Age=60; Path=/; HttpOnly", "pr").as_deref(),
+            Some("abc")
+        );
+        assert_eq!(cookie_value("upstream=1; Path=/", "pr"), None);
+        assert_eq!(cookie_value("prx=1", "pr"), None);
+        assert_eq!(cookie_value("no pair", "pr"), None);
+    }
+
     /// A stream that fails after its headers (200, an `error` event,
     /// `[DONE]`) is an error, not a success without a first token.
     #[tokio::test]
@@ -386,7 +422,14 @@ mod tests {
             s.write_all(resp.as_bytes()).unwrap();
         });
         let pool = Pool::new(addr);
-        let out = send(&pool, "/v1/completions", Bytes::from_static(b"{}"), &[], "").await;
+        let out = send(
+            &pool,
+            "/v1/completions",
+            Bytes::from_static(b"{}"),
+            &[],
+            &Echo::default(),
+        )
+        .await;
         assert_eq!((out.status, out.chunks, out.ttft_ms), (200, 0, None));
         assert!(
             out.error

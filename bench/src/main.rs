@@ -17,6 +17,7 @@ mod stats;
 mod text;
 mod workload;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,6 +77,16 @@ struct Cli {
     /// don't.
     #[arg(long, default_value = "")]
     affinity_header: String,
+    /// Cookie carrying prefix-router's sessions (`affinity.cookie`), kept
+    /// in a jar as an SDK client keeps it (each response's cookie replaces
+    /// the last; see `--cookie-jars`). Empty = no cookies.
+    #[arg(long, default_value = "")]
+    affinity_cookie: String,
+    /// With `--affinity-cookie`: one client's jar for every request
+    /// (`shared`), or one per conversation, agent session or group
+    /// (`session`: a client per session).
+    #[arg(long, value_enum, default_value_t = Jars::Shared)]
+    cookie_jars: Jars,
     /// Send each request to a target picked at random (seeded), not by
     /// client or in turn: what a cloud load balancer in front of several
     /// gateway instances does to a conversation's turns.
@@ -361,13 +372,24 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
     })
 }
 
+/// Whose cookie jar a request uses (`--cookie-jars`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Jars {
+    Shared,
+    Session,
+}
+
 /// Shared state of one run.
 struct Run {
     pools: Vec<Pool>,
     t0: TInstant,
     hard_deadline: TInstant,
     session_header: String,
-    affinity_header: String,
+    echo: client::Echo,
+    /// The clients' cookie jars (the affinity cookie's last value), by
+    /// session key, or all under "" (`--cookie-jars shared`).
+    jars: Mutex<HashMap<String, String>>,
+    jar_per_session: bool,
     /// `Some(seed)`: targets are picked per request (`--random-target`).
     random_target: Option<u64>,
     records: Mutex<Vec<Record>>,
@@ -407,13 +429,18 @@ impl Run {
         if !self.session_header.is_empty() {
             headers.push((self.session_header.clone(), key.to_string()));
         }
-        if let Some(token) = affinity.filter(|_| !self.affinity_header.is_empty()) {
-            headers.push((self.affinity_header.clone(), token.to_string()));
+        if let Some(token) = affinity.filter(|_| !self.echo.header.is_empty()) {
+            headers.push((self.echo.header.clone(), token.to_string()));
+        }
+        let jar_key = if self.jar_per_session { key } else { "" };
+        let jar = self.jars.lock().ok().and_then(|j| j.get(jar_key).cloned());
+        if let Some(value) = jar.filter(|_| !self.echo.cookie.is_empty()) {
+            headers.push(("cookie".into(), format!("{}={value}", self.echo.cookie)));
         }
         let pool = &self.pools[target % self.pools.len()];
         let out = match tokio::time::timeout_at(
             self.hard_deadline,
-            client::send(pool, path, bytes, &headers, &self.affinity_header),
+            client::send(pool, path, bytes, &headers, &self.echo),
         )
         .await
         {
@@ -423,6 +450,9 @@ impl Run {
                 ..Outcome::default()
             },
         };
+        if let (Some(value), Ok(mut jars)) = (&out.cookie, self.jars.lock()) {
+            jars.insert(jar_key.to_string(), value.clone());
+        }
         self.record(id, target, start_s, key, turn, &out);
         if self.keep_bodies {
             if let Ok(mut s) = self.sent.lock() {
@@ -766,7 +796,12 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         t0,
         hard_deadline,
         session_header: cli.session_header.clone(),
-        affinity_header: cli.affinity_header.clone(),
+        echo: client::Echo {
+            header: cli.affinity_header.clone(),
+            cookie: cli.affinity_cookie.clone(),
+        },
+        jars: Mutex::new(HashMap::new()),
+        jar_per_session: cli.cookie_jars == Jars::Session,
         random_target: cli.random_target.then_some(cli.seed),
         records: Mutex::new(Vec::new()),
         itl: Mutex::new(Vec::new()),
@@ -965,7 +1000,9 @@ mod session_tests {
             t0,
             hard_deadline: t0 + hard,
             session_header: String::new(),
-            affinity_header: String::new(),
+            echo: Default::default(),
+            jars: Default::default(),
+            jar_per_session: false,
             random_target: random.then_some(cli.seed),
             records: Default::default(),
             itl: Default::default(),

@@ -18,7 +18,7 @@ use std::rc::Rc;
 
 pub use proxy_wasm::types::Action;
 
-use crate::affinity;
+use crate::affinity::{self, cookie};
 use crate::config::{Affinity, Config, Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
@@ -59,6 +59,8 @@ pub trait Host: Metrics {
     fn upstream_address(&self) -> Option<String>;
     /// Set a header to one value, replacing every copy.
     fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
+    /// Add a copy of a header, keeping any others.
+    fn add_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
     /// Up to `max` bytes of the buffered request body; `None` when the
     /// host has none to give.
     fn request_body(&self, max: usize) -> Option<Vec<u8>>;
@@ -112,6 +114,18 @@ struct Credited {
     held: u32,
 }
 
+/// A stream's affinity cookie (with `affinity.cookie`): the sessions the
+/// client's cookie held, and what this request adds to them.
+#[derive(Default)]
+struct Cookie {
+    jar: cookie::Jar,
+    /// The client came over TLS: the cookie is set `Secure`.
+    secure: bool,
+    /// This request's prompt (its last checkpoint: blocks, hash), the
+    /// anchor of its entry.
+    anchor: Option<(u32, u64)>,
+}
+
 /// One HTTP stream's state.
 pub struct HttpFilter {
     worker: Option<Rc<RefCell<Worker>>>,
@@ -124,6 +138,7 @@ pub struct HttpFilter {
     priority: Option<String>,
     /// The replica a verified affinity token from the client names.
     affinity: Option<ReplicaId>,
+    cookie: Option<Cookie>,
 }
 
 impl HttpFilter {
@@ -138,6 +153,7 @@ impl HttpFilter {
             waiting_for_body: false,
             priority: None,
             affinity: None,
+            cookie: None,
         }
     }
 
@@ -156,6 +172,9 @@ impl HttpFilter {
             self.priority = headers::get_str(&headers, &cfg.priority_header).map(str::to_string);
             if let Some(a) = &cfg.affinity {
                 self.affinity = read_affinity(h, &w, a, &headers);
+                if let Some(name) = &a.cookie {
+                    self.cookie = Some(read_cookie(h, &w, a, name, &headers));
+                }
             }
             let post = headers::get_str(&headers, ":method")
                 .is_some_and(|m| m.eq_ignore_ascii_case("POST"));
@@ -218,8 +237,12 @@ impl HttpFilter {
             if let Some(a) = &w.borrow().router.config.affinity {
                 // The session's replica, for the client to send back to
                 // whichever gateway instance it reaches next.
-                let token = affinity::mint(a.key.as_bytes(), routed.replica, h.now_ms() / 1000);
+                let now_s = h.now_ms() / 1000;
+                let token = affinity::mint(a.key.as_bytes(), routed.replica, now_s);
                 let _ = h.replace_header(Map::Response, &a.header, &token);
+                if let (Some(name), Some(c)) = (&a.cookie, &self.cookie) {
+                    set_cookie(h, a, name, c, routed.replica, now_s);
+                }
             }
         }
         Action::Continue
@@ -298,12 +321,14 @@ impl HttpFilter {
         };
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
-        let (hashed, model) = hash_body(h, w, body);
+        let probes = self.cookie.as_ref().map(|c| c.jar.probes());
+        let (hashed, model) = hash_body(h, w, body, probes.as_deref().unwrap_or_default());
         let now = h.now_ms();
         let meta = Meta {
             model: model.as_deref(),
             sheddable: self.priority.as_deref().is_some_and(is_sheddable),
-            affinity: self.affinity,
+            // A token the client sent on purpose comes first.
+            affinity: self.affinity.or(self.session_in_cookie(&hashed)),
         };
         let (choice, why) = match decide(h, w, &hashed, meta, now) {
             Ok(d) => d,
@@ -315,7 +340,7 @@ impl HttpFilter {
         w.seq += 1;
         #[cfg(feature = "fault-injection")]
         trap_if_asked(w);
-        if self.affinity.is_some() && choice.reason != Reason::Affinity {
+        if meta.affinity.is_some() && choice.reason != Reason::Affinity {
             // A valid token whose replica is gone, ineligible or overloaded.
             w.stats.affinity_rejected.inc(h);
         }
@@ -363,6 +388,16 @@ impl HttpFilter {
         if h.remove_header(Map::Request, name).is_err() {
             log::warn!("prefix-router: could not strip `{name}`");
         }
+    }
+
+    /// The replica of the session in the cookie that this prompt
+    /// continues; the entries it continues make way for its own.
+    fn session_in_cookie(&mut self, hashed: &Hashed) -> Option<ReplicaId> {
+        let c = self.cookie.as_mut()?;
+        let replica = c.jar.replica_for(&hashed.probes);
+        c.jar.forget_continued(&hashed.probes);
+        c.anchor = hashed.checkpoints.last().map(|cp| (cp.blocks, cp.hash));
+        replica
     }
 
     fn body_limit(&self) -> usize {
@@ -506,9 +541,66 @@ fn read_affinity<H: Host>(h: &H, w: &Worker, a: &Affinity, headers: &Pairs) -> O
     }
 }
 
-/// Parse and hash the body (none: nothing to hash). A body that doesn't
-/// parse is counted and routed on load alone.
-fn hash_body<H: Host>(h: &H, w: &Worker, body: Option<&[u8]>) -> (Hashed, Option<String>) {
+/// The client's affinity cookie, verified, and stripped from the request.
+/// A forged, expired or foreign one is counted and ignored.
+fn read_cookie<H: Host>(h: &H, w: &Worker, a: &Affinity, name: &str, headers: &Pairs) -> Cookie {
+    let mut c = Cookie {
+        secure: cookie::over_tls(headers),
+        ..Cookie::default()
+    };
+    let Some(value) = cookie::find(headers, name) else {
+        return c;
+    };
+    match cookie::without(headers, name).as_deref() {
+        Some("") => drop(h.remove_header(Map::Request, "cookie")),
+        Some(rest) => drop(h.replace_header(Map::Request, "cookie", rest)),
+        None => {}
+    }
+    match cookie::Jar::open(a.key.as_bytes(), value, h.now_ms() / 1000, a.max_age_s) {
+        Ok(jar) => c.jar = jar,
+        Err(e) => {
+            log::debug!("prefix-router: affinity cookie ignored: {e}");
+            w.stats.affinity_rejected.inc(h);
+        }
+    }
+    c
+}
+
+/// Add this request's session to the client's cookie (a prompt of at
+/// least one block: an anchor to know its next turn by).
+fn set_cookie<H: Host>(
+    h: &H,
+    a: &Affinity,
+    name: &str,
+    c: &Cookie,
+    replica: ReplicaId,
+    now_s: u64,
+) {
+    let Some((blocks, hash)) = c.anchor else {
+        return;
+    };
+    let entry = cookie::Entry {
+        replica,
+        blocks,
+        hash,
+    };
+    let value = c
+        .jar
+        .with(entry, a.cookie_sessions)
+        .seal(a.key.as_bytes(), now_s);
+    let header = cookie::set_cookie(name, &value, a.max_age_s, c.secure);
+    let _ = h.add_header(Map::Response, "set-cookie", &header);
+}
+
+/// Parse and hash the body (none: nothing to hash), and the prefixes of
+/// `probes` blocks. A body that doesn't parse is counted and routed on
+/// load alone.
+fn hash_body<H: Host>(
+    h: &H,
+    w: &Worker,
+    body: Option<&[u8]>,
+    probes: &[u32],
+) -> (Hashed, Option<String>) {
     // An empty body is no body, however the stream ended: end of stream on
     // the headers, or an empty last data frame (HTTP/2, chunked). Only the
     // latter reached the parser and counted as a parse error.
@@ -516,7 +608,7 @@ fn hash_body<H: Host>(h: &H, w: &Worker, body: Option<&[u8]>) -> (Hashed, Option
         return (Hashed::default(), None);
     };
     // The whole prompt: its checkpoints reach its end (see `prefix`).
-    match Hashed::parse(b, &w.router.config) {
+    match Hashed::parse_probing(b, &w.router.config, probes) {
         Ok((header, hashed)) => (hashed, Some(header.model)),
         Err(e) => {
             // Debug level: a client sending junk must not flood logs.

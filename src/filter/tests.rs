@@ -183,6 +183,15 @@ impl Host for Fake {
         Ok(())
     }
 
+    fn add_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
+        self.calls
+            .borrow_mut()
+            .push(format!("add {} {name}", map_name(map)));
+        let mut m = self.map(map).borrow_mut();
+        m.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
+        Ok(())
+    }
+
     fn request_body(&self, max: usize) -> Option<Vec<u8>> {
         self.calls.borrow_mut().push(format!("read body {max}"));
         let b = self.body.borrow();
@@ -548,6 +557,161 @@ fn affinity_tokens_are_read_stripped_verified_and_issued() {
     assert_eq!(fake.header(Map::Request, header), None);
     assert_eq!(fake.stat("affinity.rejected"), 1);
     assert_eq!(fake.stat("decision.affinity"), 4);
+}
+
+/// Conversation `c` at its `turns`-th turn, below a system prompt all
+/// conversations share.
+fn conversation(c: usize, turns: usize) -> Vec<u8> {
+    crate::route::tests::chat(c, turns).into_bytes()
+}
+
+/// One turn through a filter with the affinity cookie `pr`: the client's
+/// cookie header, and what the response set (the cookie's value, and the
+/// whole `set-cookie` of ours).
+fn cookie_turn(
+    fake: &Fake,
+    w: &Rc<RefCell<Worker>>,
+    jar: Option<&str>,
+    body: &[u8],
+) -> (String, Option<(String, String)>) {
+    let cookie = jar.map(|j| format!("theirs=1; pr={j}"));
+    let extra: Vec<(&str, &[u8])> = cookie.iter().map(|c| ("cookie", c.as_bytes())).collect();
+    let mut s = post(fake, w, &extra, body);
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    if jar.is_some() {
+        // Only ours leaves the request.
+        assert_eq!(
+            fake.header(Map::Request, "cookie").as_deref(),
+            Some("theirs=1")
+        );
+    }
+    fake.respond(200);
+    fake.response
+        .borrow_mut()
+        .push((b"set-cookie".to_vec(), b"upstream=kept".to_vec()));
+    s.on_response_headers(fake);
+    let ours = fake
+        .response
+        .borrow()
+        .iter()
+        .filter(|(k, _)| k == b"set-cookie")
+        .map(|(_, v)| String::from_utf8(v.clone()).unwrap())
+        .find(|v| v.starts_with("pr="));
+    assert_eq!(
+        fake.count_of(Map::Response, "set-cookie"),
+        1 + usize::from(ours.is_some())
+    );
+    s.on_log(fake);
+    let set = ours.map(|v| (v[3..v.find(';').unwrap()].to_string(), v));
+    (pick, set)
+}
+
+#[test]
+fn an_affinity_cookie_leads_each_session_of_a_shared_jar_to_its_replica() {
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    // Two gateway instances: their own shared data, one key.
+    let (a, b) = (Fake::new(), Fake::new());
+    let (wa, wb) = (worker(&a, &extra), worker(&b, &extra));
+    // Instance A starts conversations 0..4, all with one client's jar.
+    let mut jar: Option<String> = None;
+    let mut home = Vec::new();
+    for c in 0..4 {
+        let (pick, set) = cookie_turn(&a, &wa, jar.as_deref(), &conversation(c, 1));
+        let (value, whole) = set.unwrap();
+        assert!(
+            whole.ends_with("; Max-Age=3600; Path=/; HttpOnly; SameSite=Lax"),
+            "{whole}"
+        );
+        jar = Some(value);
+        home.push(pick);
+    }
+    assert_eq!(
+        a.stat("decision.affinity"),
+        0,
+        "no conversation continues another"
+    );
+    // Their next turns reach instance B, which knows none of them, in
+    // another order (so that it would place them otherwise): each follows
+    // its own entry in the shared cookie.
+    for turns in 2..4 {
+        for c in (0..4).rev() {
+            let (pick, set) = cookie_turn(&b, &wb, jar.as_deref(), &conversation(c, turns));
+            assert_eq!(pick, home[c], "conversation {c}, turn {turns}");
+            jar = Some(set.unwrap().0);
+        }
+    }
+    assert_eq!(b.stat("decision.affinity"), 8);
+    assert_eq!(b.stat("affinity.rejected"), 0);
+    // One entry per conversation: each turn replaced its previous one.
+    let now_s = b.now.get() / 1000;
+    let key = AFFINITY_KEY.as_bytes();
+    let opened = cookie::Jar::open(key, jar.as_deref().unwrap().as_bytes(), now_s, 3600).unwrap();
+    assert_eq!(opened.probes().len(), 4);
+    // A new conversation with the same jar: placed as any, not followed.
+    cookie_turn(&b, &wb, jar.as_deref(), &conversation(9, 1));
+    assert_eq!(b.stat("decision.affinity"), 8);
+    // A forged cookie: stripped, counted, not followed.
+    let entry = cookie::Entry {
+        replica: 1,
+        blocks: 1,
+        hash: 1,
+    };
+    let forged = cookie::Jar::default()
+        .with(entry, 8)
+        .seal(b"another key, also at least 32 bytes long", now_s);
+    cookie_turn(&b, &wb, Some(&forged), &conversation(0, 4));
+    assert_eq!(b.stat("affinity.rejected"), 1);
+    assert_eq!(b.stat("decision.affinity"), 8);
+}
+
+#[test]
+fn a_session_whose_newest_cookie_was_overwritten_still_follows_its_previous_turn() {
+    // Two sessions of one jar in flight at once: the client keeps the
+    // cookie of whichever response came last, which was made from the jar
+    // its request carried. The other session's newest entry is lost; its
+    // previous turn's entry is still there, and its next prompt starts
+    // with that one too.
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    let (a, b) = (Fake::new(), Fake::new());
+    let (wa, wb) = (worker(&a, &extra), worker(&b, &extra));
+    let (home0, set) = cookie_turn(&a, &wa, None, &conversation(0, 1));
+    let (home1, set) = cookie_turn(&a, &wa, Some(&set.unwrap().0), &conversation(1, 1));
+    let jar = set.unwrap().0;
+    // Turn 2 of both, sent with the same jar; 1 answers first, then 0.
+    cookie_turn(&a, &wa, Some(&jar), &conversation(1, 2));
+    let (_, last) = cookie_turn(&a, &wa, Some(&jar), &conversation(0, 2));
+    let jar = last.unwrap().0;
+    // Turn 3 of each reaches instance B, which knows neither.
+    let (p1, _) = cookie_turn(&b, &wb, Some(&jar), &conversation(1, 3));
+    let (p0, _) = cookie_turn(&b, &wb, Some(&jar), &conversation(0, 3));
+    assert_eq!((p0, p1), (home0, home1));
+    assert_eq!(b.stat("decision.affinity"), 2);
+}
+
+#[test]
+fn the_affinity_cookie_is_secure_over_tls_and_needs_a_prompt() {
+    let fake = Fake::new();
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    let w = worker(&fake, &extra);
+    let mut s = post(
+        &fake,
+        &w,
+        &[("x-forwarded-proto", b"https")],
+        &conversation(1, 1),
+    );
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    let set = fake.header(Map::Response, "set-cookie").unwrap();
+    assert!(set.starts_with("pr=") && set.ends_with("; Secure"), "{set}");
+    // Under one block of prompt: nothing to know its next turn by.
+    let mut s = post(&fake, &w, &[], &completion("hi"));
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    assert_eq!(fake.header(Map::Response, "set-cookie"), None);
+    // The header token is issued either way.
+    assert!(fake
+        .header(Map::Response, crate::config::DEFAULT_AFFINITY_HEADER)
+        .is_some());
 }
 
 #[test]

@@ -103,6 +103,13 @@ extern "C" {
         value_data: *const u8,
         value_size: usize,
     ) -> u32;
+    fn proxy_add_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_remove_header_map_value(
         map_type: MapType,
         key_data: *const u8,
@@ -159,6 +166,15 @@ pub fn replace_header(map: MapType, name: &str, value: &str) -> Result<(), u32> 
     // copies the bytes before returning.
     check(unsafe {
         proxy_replace_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
+    })
+}
+
+/// Add a copy of a header, keeping the others (`set-cookie`: the
+/// upstream's own cookies must stay).
+pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), u32> {
+    // SAFETY: as `replace_header`.
+    check(unsafe {
+        proxy_add_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
 }
 

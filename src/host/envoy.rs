@@ -94,6 +94,10 @@ impl<'a> Host for Stream<'a> {
         abi::replace_header(map_type(map), name, value)
     }
 
+    fn add_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
+        abi::add_header(map_type(map), name, value)
+    }
+
     fn request_body(&self, max: usize) -> Option<Vec<u8>> {
         abi::get_buffer(BufferType::HttpRequestBody, 0, max)
     }

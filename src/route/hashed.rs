@@ -2,7 +2,7 @@
 //! prompt, where its own part starts, and the keys placement derives.
 
 use crate::config::Config;
-use crate::prefix::{self, Checkpoint};
+use crate::prefix::{self, Checkpoint, Probe};
 use crate::request::{self, Prompt};
 
 /// A request's prefix, hashed once and kept until the stream ends: its
@@ -16,6 +16,8 @@ pub struct Hashed {
     /// A conversation's or agent session's later turn: more than one
     /// message of its own (see `trunk::agreed_below_lead`).
     pub later_turn: bool,
+    /// The prefixes asked for by `parse_probing` that the prompt reaches.
+    pub probes: Vec<Probe>,
 }
 
 fn lead_blocks(lead_bytes: usize, own_messages: u32, cfg: &Config) -> u32 {
@@ -32,6 +34,7 @@ impl Hashed {
             checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule()),
             lead_blocks: lead_blocks(prompt.lead_bytes, prompt.own_messages, cfg),
             later_turn: prompt.own_messages > 1,
+            probes: Vec::new(),
         }
     }
 
@@ -42,18 +45,30 @@ impl Hashed {
         body: &[u8],
         cfg: &Config,
     ) -> Result<(request::Header, Hashed), request::ParseError> {
+        Self::parse_probing(body, cfg, &[])
+    }
+
+    /// `parse`, also hashing the prefixes of `probes` blocks (see
+    /// `prefix::Hasher::probing`).
+    pub fn parse_probing(
+        body: &[u8],
+        cfg: &Config,
+        probes: &[u32],
+    ) -> Result<(request::Header, Hashed), request::ParseError> {
         let (header, hasher) = request::extract_into(body, cfg.max_body_bytes, |h| {
             let seed = prefix::seed(&h.model, h.cache_salt.as_deref());
-            prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule())
+            prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule()).probing(probes)
         })?;
         let lead_blocks = lead_blocks(header.lead_bytes, header.own_messages, cfg);
         let later_turn = header.own_messages > 1;
+        let (checkpoints, probes) = hasher.finish_probed();
         Ok((
             header,
             Hashed {
-                checkpoints: hasher.finish(),
+                checkpoints,
                 lead_blocks,
                 later_turn,
+                probes,
             },
         ))
     }

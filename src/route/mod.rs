@@ -732,4 +732,4 @@ impl Router {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -265,7 +265,7 @@ fn with_instances_that_must_agree_a_sessions_lead_is_followed() {
 /// A chat conversation's `turns`-th request (1-based): a 1.5 KB system
 /// prompt every conversation shares, then 2 KB user turns and short
 /// answers.
-fn chat(conv: usize, turns: usize) -> String {
+pub(crate) fn chat(conv: usize, turns: usize) -> String {
     let system = "You are the support assistant of ACME. Be exact. ".repeat(30);
     let mut messages = vec![format!(r#"{{"role":"system","content":"{system}"}}"#)];
     for t in 0..turns {

@@ -4,11 +4,15 @@ function of the content and the replica set that every instance computes
 alike, so a group, or a conversation below a system prompt that every
 conversation shares, keeps its replica whichever instance each request
 reaches; a session-affinity token minted by one instance is honoured by
-another; forged and foreign tokens are ignored and counted."""
+another, in a header or in a cookie that several sessions share; forged and
+foreign tokens are ignored and counted."""
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
+import json
 import random
+import urllib.request
 from collections import Counter, defaultdict
 
 from harness import backends, chat, completion, filter_envoy, request
@@ -24,8 +28,10 @@ def doc(group: int) -> str:
 
 
 @contextlib.contextmanager
-def gateways(pool, n=3, key=KEY, clients_echo=False):
+def gateways(pool, n=3, key=KEY, clients_echo=False, cookie=None):
     affinity = {"key": key, "clients_echo": clients_echo}
+    if cookie:
+        affinity["cookie"] = cookie
     plugin = {"gateways": n, "debug_header": True, "affinity": affinity}
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(filter_envoy(pool, plugin, concurrency=1)) for _ in range(n)]
@@ -208,3 +214,50 @@ def test_forged_and_foreign_tokens_are_ignored_and_counted():
                 assert "reason=affinity" not in headers["x-prefix-router-debug"]
             assert gw.stat("prefix_router.affinity.rejected") == 4
             assert gw.stat("prefix_router.decision.affinity") == 0
+
+
+def test_sessions_sharing_a_cookie_jar_each_keep_their_replica_across_instances():
+    # One client with a standard cookie jar (http.cookiejar: httpx, and so
+    # the OpenAI Python SDK, keeps its cookies in one) runs six
+    # conversations; it never echoes a header. With `clients_echo`, each
+    # instance places a new conversation by its own load, so a later turn
+    # that reaches another instance finds its replica only through the
+    # cookie, whose entry for that conversation it picks out of the six by
+    # the prompt. (One turn at a time: no response races another for the
+    # jar, which can lose a new session's entry; hence the README's advice
+    # to leave `clients_echo` off with shared jars.)
+    rng = random.Random(13)
+    with backends(4) as bs, gateways([b.addr for b in bs], clients_echo=True, cookie="pr") as gws:
+        jar = http.cookiejar.CookieJar()
+        client = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+
+        def post(port, body):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with client.open(req, timeout=30) as resp:
+                assert resp.status == 200
+                return resp.headers
+
+        served = defaultdict(Counter)
+        for turns in range(1, 5):
+            for c in range(6):
+                gw = gws[c % 3] if turns == 1 else rng.choice(gws)
+                headers = post(gw.port, conversation(c, turns))
+                served[c][headers["x-served-by"]] += 1
+                assert any(ck.name == "pr" for ck in jar)
+        for c, replicas in served.items():
+            assert len(replicas) == 1, (c, replicas)
+        # Each instance put the two it started on two replicas (by its own
+        # load: it doesn't see the others' placements here, the backends
+        # export no metrics).
+        home = {c: next(iter(r)) for c, r in served.items()}
+        assert all(home[i] != home[i + 3] for i in range(3)), home
+        # Every later turn followed its own entry; none was refused.
+        assert sum(gw.stat("prefix_router.decision.affinity") for gw in gws) == 6 * 3
+        assert sum(gw.stat("prefix_router.affinity.rejected") for gw in gws) == 0
+        # The upstream never sees the cookie.
+        seen = [r["headers"].get("cookie", "") for be in bs for r in be.requests]
+        assert len(seen) == 24 and not any("pr=" in c for c in seen), seen

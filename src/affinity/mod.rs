@@ -5,9 +5,14 @@
 //! eligible and not overloaded. Forged, expired or foreign tokens are
 //! refused (and counted by the caller), never followed.
 //!
-//! Token: 56 lowercase hex characters: the replica id (8 bytes), the
-//! issue time in seconds (4 bytes), then the first 16 bytes of
-//! HMAC-SHA256(key, "prefix-router/affinity/v1" | id | time).
+//! Token (in a header the client echoes on purpose): 56 lowercase hex
+//! characters: the replica id (8 bytes), the issue time in seconds (4
+//! bytes), then the first 16 bytes of
+//! HMAC-SHA256(key, "prefix-router/affinity/v1" | id | time). The cookie
+//! (`cookie`), for clients that keep cookies instead, remembers several
+//! sessions, each by its last prompt.
+
+pub mod cookie;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -23,7 +28,7 @@ const MAX_CLOCK_SKEW_S: i64 = 60;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum AffinityError {
-    #[error("affinity token is not {0} hex characters", TOKEN_BYTES * 2)]
+    #[error("affinity token is not the right number of hex characters")]
     Malformed,
     #[error("affinity token's MAC does not verify (forged, or another key)")]
     Forged,
@@ -31,23 +36,58 @@ pub enum AffinityError {
     Expired,
 }
 
-fn mac(key: &[u8], payload: &[u8]) -> Option<Hmac<Sha256>> {
+fn mac(key: &[u8], domain: &[u8], payload: &[u8]) -> Option<Hmac<Sha256>> {
     let mut m = Hmac::<Sha256>::new_from_slice(key).ok()?;
-    m.update(DOMAIN);
+    m.update(domain);
     m.update(payload);
     Some(m)
 }
 
+/// `payload` followed by its first `MAC_BYTES` of MAC, in lowercase hex.
+fn seal(key: &[u8], domain: &[u8], payload: &[u8]) -> String {
+    let mut tag = [0u8; MAC_BYTES];
+    if let Some(m) = mac(key, domain, payload) {
+        tag.copy_from_slice(&m.finalize().into_bytes()[..MAC_BYTES]);
+    }
+    payload
+        .iter()
+        .chain(&tag)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The payload of a sealed value, if its MAC verifies.
+fn open(key: &[u8], domain: &[u8], raw: &[u8]) -> Result<Vec<u8>, AffinityError> {
+    let (payload, tag) = raw
+        .split_at_checked(raw.len().wrapping_sub(MAC_BYTES))
+        .ok_or(AffinityError::Malformed)?;
+    let m = mac(key, domain, payload).ok_or(AffinityError::Forged)?;
+    m.verify_truncated_left(tag)
+        .map_err(|_| AffinityError::Forged)?;
+    Ok(payload.to_vec())
+}
+
+/// Whether a token issued at `issued` (seconds, u32) is still good at
+/// `now_s`.
+fn fresh(issued: u32, now_s: u64, max_age_s: u64) -> Result<(), AffinityError> {
+    // Issue times wrap with u32 seconds (in 2106): compare modulo 2^32,
+    // as a signed age. Gateway pods' clocks differ a little: a token from
+    // an instance a second ahead read as 2^32 - 1 seconds old, so a session
+    // hopping instances lost its replica. Up to `MAX_CLOCK_SKEW_S` of
+    // negative age is accepted, and counts as zero.
+    let age = i64::from((now_s as u32).wrapping_sub(issued) as i32);
+    if age < -MAX_CLOCK_SKEW_S || age.max(0) as u64 > max_age_s {
+        return Err(AffinityError::Expired);
+    }
+    Ok(())
+}
+
 /// The token for `replica`, issued at `now_s` (seconds since the epoch).
 pub fn mint(key: &[u8], replica: ReplicaId, now_s: u64) -> String {
-    let mut raw = [0u8; TOKEN_BYTES];
-    raw[..8].copy_from_slice(&replica.to_be_bytes());
-    raw[8..12].copy_from_slice(&(now_s as u32).to_be_bytes());
-    if let Some(m) = mac(key, &raw[..12]) {
-        let tag = m.finalize().into_bytes();
-        raw[12..].copy_from_slice(&tag[..MAC_BYTES]);
-    }
-    raw.iter().map(|b| format!("{b:02x}")).collect()
+    let mut payload = [0u8; TOKEN_BYTES - MAC_BYTES];
+    payload[..8].copy_from_slice(&replica.to_be_bytes());
+    payload[8..].copy_from_slice(&(now_s as u32).to_be_bytes());
+    seal(key, DOMAIN, &payload)
 }
 
 /// The replica a token names, if it is ours and fresh. Bounded work on any
@@ -58,37 +98,39 @@ pub fn verify(
     now_s: u64,
     max_age_s: u64,
 ) -> Result<ReplicaId, AffinityError> {
-    let raw = unhex(token.trim_ascii()).ok_or(AffinityError::Malformed)?;
-    let m = mac(key, &raw[..12]).ok_or(AffinityError::Forged)?;
-    m.verify_truncated_left(&raw[12..])
-        .map_err(|_| AffinityError::Forged)?;
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&raw[..8]);
-    let mut t = [0u8; 4];
-    t.copy_from_slice(&raw[8..12]);
-    // Issue times wrap with u32 seconds (in 2106): compare modulo 2^32,
-    // as a signed age. Gateway pods' clocks differ a little: a token from
-    // an instance a second ahead read as 2^32 - 1 seconds old, so a session
-    // hopping instances lost its replica. Up to `MAX_CLOCK_SKEW_S` of
-    // negative age is accepted, and counts as zero.
-    let age = i64::from((now_s as u32).wrapping_sub(u32::from_be_bytes(t)) as i32);
-    if age < -MAX_CLOCK_SKEW_S || age.max(0) as u64 > max_age_s {
-        return Err(AffinityError::Expired);
-    }
-    Ok(u64::from_be_bytes(id))
+    let raw = unhex(token.trim_ascii(), TOKEN_BYTES..=TOKEN_BYTES)?;
+    let payload = open(key, DOMAIN, &raw)?;
+    let (id, t) = payload.split_at(8);
+    fresh(u32_at(t), now_s, max_age_s)?;
+    Ok(u64_at(id))
 }
 
-fn unhex(s: &[u8]) -> Option<[u8; TOKEN_BYTES]> {
-    if s.len() != TOKEN_BYTES * 2 {
-        return None;
+fn u64_at(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.iter_mut().zip(b).for_each(|(o, i)| *o = *i);
+    u64::from_be_bytes(a)
+}
+
+fn u32_at(b: &[u8]) -> u32 {
+    let mut a = [0u8; 4];
+    a.iter_mut().zip(b).for_each(|(o, i)| *o = *i);
+    u32::from_be_bytes(a)
+}
+
+/// The bytes of a hex string whose decoded length is in `len` (checked
+/// before anything is decoded).
+fn unhex(s: &[u8], len: std::ops::RangeInclusive<usize>) -> Result<Vec<u8>, AffinityError> {
+    if !s.len().is_multiple_of(2) || !len.contains(&(s.len() / 2)) {
+        return Err(AffinityError::Malformed);
     }
-    let mut out = [0u8; TOKEN_BYTES];
-    for (o, pair) in out.iter_mut().zip(s.chunks_exact(2)) {
-        let hi = (pair[0] as char).to_digit(16)?;
-        let lo = (pair[1] as char).to_digit(16)?;
-        *o = (hi * 16 + lo) as u8;
-    }
-    Some(out)
+    s.chunks_exact(2)
+        .map(|pair| {
+            let hi = (pair[0] as char).to_digit(16)?;
+            let lo = (pair[1] as char).to_digit(16)?;
+            Some((hi * 16 + lo) as u8)
+        })
+        .collect::<Option<Vec<u8>>>()
+        .ok_or(AffinityError::Malformed)
 }
 
 #[cfg(test)]
