@@ -20,28 +20,33 @@ pub fn request_body(data: &[u8]) {
         let h = Hashed::of(&p, &cfg);
         // The filter's one-pass parse-and-hash agrees with render-then-hash.
         if p.text.len() < CAP {
-            // Probes (the affinity cookie's) anywhere, some past the end.
-            let blocks = h.blocks();
+            // Probes (the affinity cookie's) anywhere: on blocks, in one,
+            // in the partial block at the end, at it, past it.
+            let len = u32::try_from(p.text.len()).unwrap_or(u32::MAX);
+            let bb = cfg.block_bytes as u32;
             let probes = [
                 1,
                 3,
-                blocks / 3,
-                blocks.saturating_sub(1),
-                blocks,
-                blocks + 1,
+                bb,
+                len / 3,
+                h.blocks() * bb,
+                len.saturating_sub(1),
+                len,
+                len + 1,
             ];
-            if let Ok((_, streamed)) = Hashed::parse_probing(data, &cfg, &probes) {
+            if let Ok((_, streamed)) = Hashed::parse_probing(data, &cfg, Some(&probes)) {
                 assert_eq!(streamed.checkpoints, h.checkpoints);
                 assert_eq!(streamed.lead_blocks, h.lead_blocks);
                 assert_eq!(streamed.later_turn, h.later_turn);
+                assert_eq!(streamed.end, h.end);
                 for pr in &streamed.probes {
-                    let shorter = p.text.get(..pr.blocks as usize * cfg.block_bytes);
+                    // The end of the prompt cut there.
+                    let shorter = p.text.get(..pr.bytes as usize);
                     let mut q = p.clone();
                     q.text = shorter.unwrap_or_default().to_vec();
-                    let last = Hashed::of(&q, &cfg).checkpoints.last().map(|c| c.hash);
-                    assert_eq!(last, Some(pr.hash));
+                    assert_eq!(Hashed::of(&q, &cfg).end, Some(*pr));
                 }
-                let reached = probes.iter().filter(|&&b| b > 0 && b <= blocks);
+                let reached = probes.iter().filter(|&&b| b > 0 && b <= len);
                 let mut reached: Vec<u32> = reached.copied().collect();
                 reached.sort_unstable();
                 reached.dedup();
@@ -111,7 +116,7 @@ pub fn affinity_values(data: &[u8]) {
         let _ = cookie::Jar::open(KEY, v, 1_000_000, 3600);
         // Stripped, none of ours is left for the upstream.
         if let Some(rest) = cookie::without(&headers, "pr") {
-            let after = vec![(b"cookie".to_vec(), rest.into_bytes())];
+            let after = vec![(b"cookie".to_vec(), rest)];
             assert!(cookie::find(&after, "pr").is_none());
         }
     }

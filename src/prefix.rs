@@ -138,16 +138,22 @@ pub struct Hasher {
     fed: u64,
     carry: Vec<u8>,
     out: Vec<Checkpoint>,
-    /// Block counts still to probe, descending (the next one last).
+    /// Byte lengths still to probe, descending (the next one last).
     probes: Vec<u32>,
     probed: Vec<Probe>,
+    /// Whether `finish_probed` also takes the prompt's end (only when
+    /// probing: the affinity cookie's anchor).
+    ends: bool,
 }
 
-/// The hash of a prompt's first `blocks` blocks, taken off the schedule
-/// (see [`Hasher::probing`]).
+/// The hash of a prompt's first `bytes` bytes, taken off the schedule
+/// (see [`Hasher::probing`]): the hash state's digest there, the
+/// partial block included. A prompt's own ([`Hasher::finish_probed`])
+/// is what a probe of a longer prompt at its length equals exactly when
+/// the longer one starts with all of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Probe {
-    pub blocks: u32,
+    pub bytes: u32,
     pub hash: u64,
 }
 
@@ -164,21 +170,26 @@ impl Hasher {
             out: Vec::new(),
             probes: Vec::new(),
             probed: Vec::new(),
+            ends: false,
         };
         h.advance();
         h
     }
 
-    /// Also hash the prefixes of `blocks` blocks, wherever they end: each
-    /// probe equals the last checkpoint of an earlier prompt of that many
-    /// blocks with the same start (a conversation's previous turn), since
-    /// that one, too, is the hash state's digest there (see `finish`). A
-    /// probe doesn't re-seed the chain, so the checkpoints stay as they
-    /// are. Callers bound how many (the affinity cookie's sessions).
-    pub fn probing(mut self, blocks: &[u32]) -> Hasher {
-        self.probes = blocks.iter().copied().filter(|&b| b > 0).collect();
+    /// Also hash the prefixes of `bytes` bytes, wherever they end (in a
+    /// block, or in the partial block at the prompt's end): each probe
+    /// equals the end of an earlier prompt of that many bytes that this
+    /// one starts with (a conversation's previous turn, all of it: its
+    /// partial last block too, where a short question after a shared
+    /// system prompt lies), since that one, too, is the hash state's
+    /// digest there (see `finish_probed`). A probe doesn't re-seed the
+    /// chain, so the checkpoints stay as they are. Callers bound how many
+    /// (the affinity cookie's sessions).
+    pub fn probing(mut self, bytes: &[u32]) -> Hasher {
+        self.probes = bytes.iter().copied().filter(|&b| b > 0).collect();
         self.probes.sort_unstable_by(|a, b| b.cmp(a));
         self.probes.dedup();
+        self.ends = true;
         self
     }
 
@@ -221,10 +232,7 @@ impl Hasher {
     /// Hash whole blocks, closing a checkpoint at each scheduled boundary.
     fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
-            let probe = self
-                .probes
-                .last()
-                .map(|&b| u64::from(b) * self.block_bytes as u64);
+            let probe = self.probes.last().map(|&b| u64::from(b));
             let boundary = match (self.next, probe) {
                 (Some(n), Some(p)) => Some(n.min(p)),
                 (n, p) => n.or(p),
@@ -240,9 +248,9 @@ impl Hasher {
             self.fed += take as u64;
             bytes = &bytes[take..];
             if Some(self.fed) == probe {
-                if let Some(blocks) = self.probes.pop() {
+                if let Some(bytes) = self.probes.pop() {
                     let hash = self.state.digest();
-                    self.probed.push(Probe { blocks, hash });
+                    self.probed.push(Probe { bytes, hash });
                 }
             }
             if Some(self.fed) == self.next {
@@ -264,8 +272,10 @@ impl Hasher {
         self.finish_probed().0
     }
 
-    /// The checkpoints, and the probes the prompt reached.
-    pub fn finish_probed(mut self) -> (Vec<Checkpoint>, Vec<Probe>) {
+    /// The checkpoints, the probes the prompt reached, and the prompt's
+    /// own end (all its bytes, the partial block too; `None` when empty,
+    /// or when not `probing`).
+    pub fn finish_probed(mut self) -> (Vec<Checkpoint>, Vec<Probe>, Option<Probe>) {
         let gathered = std::mem::take(&mut self.carry);
         let whole = gathered.len() / self.block_bytes * self.block_bytes;
         self.feed(gathered.get(..whole).unwrap_or_default());
@@ -277,7 +287,42 @@ impl Hasher {
                 on_schedule: false,
             });
         }
-        (self.out, self.probed)
+        // The partial block: no scheduled point lies in it (they are on
+        // whole blocks), so its probes and the end are digests of the
+        // state with a part of it, never fed.
+        let tail = gathered.get(whole..).unwrap_or_default();
+        let (fed, state) = (self.fed, &self.state);
+        let on_end = self.out.last().map(|c| c.hash);
+        let at = |n: usize| -> Option<Probe> {
+            let bytes = u32::try_from(fed + n as u64).ok()?;
+            let hash = match n {
+                // On the last checkpoint: its hash (before the chain
+                // re-seeds, as a probe there is).
+                0 => on_end?,
+                _ => {
+                    let mut st = state.clone();
+                    st.update(tail.get(..n)?);
+                    st.digest()
+                }
+            };
+            Some(Probe { bytes, hash })
+        };
+        let end = if self.ends { at(tail.len()) } else { None };
+        // Probes in the partial block (ascending; those past it stay).
+        let mut probes = std::mem::take(&mut self.probes);
+        while let Some(&p) = probes.last() {
+            let n = u64::from(p).saturating_sub(fed);
+            let Some(probe) = usize::try_from(n)
+                .ok()
+                .filter(|&n| n > 0 && n <= tail.len())
+                .and_then(at)
+            else {
+                break;
+            };
+            probes.pop();
+            self.probed.push(probe);
+        }
+        (self.out, self.probed, end)
     }
 }
 
@@ -314,6 +359,23 @@ pub fn checkpoints(seed: u64, text: &[u8], block_bytes: usize, s: &Schedule) -> 
             }
         })
         .collect()
+}
+
+/// The end of `text` (see [`Probe`]): the chain from its last scheduled
+/// checkpoint before its end over the rest, partial block and all, in one
+/// call; what [`Hasher::finish_probed`] gives when probing. `None` for no
+/// text.
+pub fn end(seed: u64, text: &[u8], block_bytes: usize, s: &Schedule) -> Option<Probe> {
+    let bytes = u32::try_from(text.len()).ok().filter(|&b| b > 0)?;
+    let bb = block_bytes.max(1);
+    let whole = u32::try_from(text.len().div_ceil(bb) - 1).unwrap_or(u32::MAX);
+    let (from, prev) = checkpoints(seed, text.get(..whole as usize * bb)?, bb, s)
+        .iter()
+        .rev()
+        .find(|c| c.on_schedule)
+        .map_or((0, seed), |c| (c.blocks as usize * bb, c.hash));
+    let hash = xxh3_64_with_seed(text.get(from..)?, prev);
+    Some(Probe { bytes, hash })
 }
 
 #[cfg(test)]
@@ -467,36 +529,139 @@ mod tests {
         }
     }
 
+    /// The end of `text` as the hasher sees it (fed in pieces of 777).
+    fn end_of(text: &[u8], bb: usize) -> Option<Probe> {
+        let mut h = Hasher::new(seed("m", None), bb, &S).probing(&[]);
+        text.chunks(777).for_each(|c| h.push(c));
+        let streamed = h.finish_probed().2;
+        // The same in one call.
+        assert_eq!(
+            streamed,
+            end(seed("m", None), text, bb, &S),
+            "{} bytes",
+            text.len()
+        );
+        streamed
+    }
+
     #[test]
-    fn a_probe_is_the_last_checkpoint_of_the_shorter_prompt() {
-        let text: Vec<u8> = (0..200_000u32).map(|i| (i * 13 % 251) as u8).collect();
+    fn a_probe_is_the_end_of_the_shorter_prompt() {
+        let text: Vec<u8> = (0..200_037u32).map(|i| (i * 13 % 251) as u8).collect();
         let whole = hashes(&text);
-        // Off the schedule, on it (256, 576), past the prompt's end.
-        let at = [5u32, 256, 300, 576, 1999, 3124, 5000];
+        // On a block off the schedule, on it (256, 576 blocks), inside a
+        // block, in the partial block at the end, at the end, past it.
+        let at = [
+            5u32 * 64,
+            256 * 64,
+            300 * 64 + 17,
+            576 * 64,
+            1999 * 64 + 1,
+            200_010,
+            200_037,
+            200_038,
+        ];
         let mut h = Hasher::new(seed("m", None), 64, &S).probing(&at);
         for chunk in text.chunks(777) {
             h.push(chunk);
         }
-        let (cps, probed) = h.finish_probed();
+        let (cps, probed, end) = h.finish_probed();
         assert_eq!(cps, whole, "probes leave the checkpoints alone");
-        let want: Vec<Probe> = at[..6]
+        assert_eq!(end, end_of(&text, 64));
+        let want: Vec<Probe> = at[..7]
             .iter()
-            .map(|&b| {
-                let last = hashes(&text[..b as usize * 64]).pop().unwrap();
-                Probe {
-                    blocks: b,
-                    hash: last.hash,
-                }
-            })
+            .map(|&b| end_of(&text[..b as usize], 64).unwrap())
             .collect();
         assert_eq!(probed, want);
-        // Another start: no probe matches its last checkpoint.
+        // Off whole blocks, the end is the chain from the last scheduled
+        // checkpoint over the rest, partial block and all (as `checkpoints`
+        // hashes, one call).
+        for len in [300 * 64 + 17, 1999 * 64 + 1, 200_010, 63] {
+            let cps = hashes(&text[..len]);
+            let last = cps.iter().rev().find(|c| c.on_schedule);
+            let (from, prev) =
+                last.map_or((0, seed("m", None)), |c| (c.blocks as usize * 64, c.hash));
+            let want = xxh3_64_with_seed(&text[from..len], prev);
+            assert_eq!(
+                end_of(&text[..len], 64).map(|e| e.hash),
+                Some(want),
+                "{len}"
+            );
+        }
+        // On whole blocks, the end is the last checkpoint.
+        for b in [5usize, 256, 576, 1999] {
+            let last = hashes(&text[..b * 64]).pop().unwrap();
+            assert_eq!(end_of(&text[..b * 64], 64).map(|e| e.hash), Some(last.hash));
+        }
+        // Another start: no probe matches.
         let mut other = text.clone();
         other[10] ^= 1;
         let mut h = Hasher::new(seed("m", None), 64, &S).probing(&at);
         h.push(&other);
-        let (_, probed) = h.finish_probed();
+        let (_, probed, _) = h.finish_probed();
         assert!(probed.iter().zip(&want).all(|(a, b)| a.hash != b.hash));
+        // The same whole blocks, another partial block: another end.
+        assert_ne!(
+            end_of(&text[..64 * 24 + 10], 64),
+            end_of(&other[..64 * 24 + 10], 64)
+        );
+        let mut tail = text[..64 * 24 + 10].to_vec();
+        tail[64 * 24 + 3] ^= 1;
+        assert_ne!(end_of(&text[..64 * 24 + 10], 64), end_of(&tail, 64));
+        // Nothing: no end; and none taken when not probing.
+        assert_eq!(end_of(&[], 64), None);
+        let mut h = Hasher::new(seed("m", None), 64, &S);
+        h.push(&text);
+        assert_eq!(h.finish_probed().2, None);
+    }
+
+    #[test]
+    fn probes_agree_with_ends_for_any_pieces_and_blocks() {
+        let text: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for bb in [8usize, 64, 1000, 2048] {
+            for _ in 0..20 {
+                let len = rnd() as usize % text.len();
+                let mut at: Vec<u32> = (0..6).map(|_| (rnd() % (len as u64 + 3)) as u32).collect();
+                let blocks = (len / bb) as u32;
+                at.extend(S.points(blocks).iter().take(3).map(|&b| b * bb as u32));
+                at.extend([0, len as u32, blocks * bb as u32]);
+                let mut h = Hasher::new(seed("m", None), bb, &S).probing(&at);
+                let mut rest = &text[..len];
+                while !rest.is_empty() {
+                    let n = match rnd() % 3 {
+                        0 => rnd() as usize % 8,
+                        1 => rnd() as usize % 300,
+                        _ => rnd() as usize % 5000,
+                    };
+                    let (piece, tail) = rest.split_at(n.min(rest.len()));
+                    h.push(piece);
+                    rest = tail;
+                }
+                let (cps, probed, _) = h.finish_probed();
+                assert_eq!(cps, checkpoints(seed("m", None), &text[..len], bb, &S));
+                let mut want: Vec<u32> = at
+                    .iter()
+                    .copied()
+                    .filter(|&b| b > 0 && b as usize <= len)
+                    .collect();
+                want.sort_unstable();
+                want.dedup();
+                assert_eq!(probed.iter().map(|p| p.bytes).collect::<Vec<_>>(), want);
+                for p in probed {
+                    assert_eq!(
+                        Some(p),
+                        end_of(&text[..p.bytes as usize], bb),
+                        "blocks of {bb}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

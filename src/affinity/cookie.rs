@@ -6,8 +6,11 @@
 //! for many agent runs), so the cookie can't simply name "the" replica: a
 //! session would follow whichever session answered last. It holds the
 //! last `affinity.cookie_sessions` sessions instead, each as the replica
-//! that served it and an anchor: the length in blocks and hash of the
-//! prompt it served (its last checkpoint). A request follows the entry
+//! that served it and an anchor: the length in bytes and hash of the
+//! prompt it served, all of it (its partial last block too: a short first
+//! question after a system prompt many conversations share lies there,
+//! and an anchor of whole blocks alone was that system prompt, which
+//! every new conversation continued). A request follows the entry
 //! whose anchor its own prompt starts with, the deepest if several do:
 //! the previous turn of its own conversation, which no other
 //! conversation's prompt starts with. The filter hashes the request's
@@ -24,7 +27,7 @@
 //! agrees, and the cookie keeps them from moving.
 //!
 //! Value: lowercase hex of the issue time (4 bytes), the entries (replica
-//! id 8, anchor blocks 4, anchor hash 8, newest first), and the first 16
+//! id 8, anchor bytes 4, anchor hash 8, newest first), and the first 16
 //! bytes of HMAC-SHA256(key, "prefix-router/affinity-cookie/v1" | all
 //! that): 40 characters, and 40 an entry (1-64 entries: 80-2,600, under
 //! the 4 KiB a cookie may hold).
@@ -41,11 +44,11 @@ pub const MAX_SESSIONS: usize = 64;
 const ENTRY_BYTES: usize = 8 + 4 + 8;
 
 /// A session in the cookie: the replica that served its last turn, and
-/// that turn's prompt (`blocks` long, hashing to `hash`).
+/// that turn's prompt (`bytes` long, hashing to `hash`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     pub replica: ReplicaId,
-    pub blocks: u32,
+    pub bytes: u32,
     pub hash: u64,
 }
 
@@ -60,14 +63,14 @@ pub struct Jar {
 impl Jar {
     /// The prompt lengths to probe a request's prompt at.
     pub fn probes(&self) -> Vec<u32> {
-        self.entries.iter().map(|e| e.blocks).collect()
+        self.entries.iter().map(|e| e.bytes).collect()
     }
 
     /// The replica of the session this prompt continues: the entry whose
     /// anchor a probe of the prompt matches, the deepest if several do.
     pub fn replica_for(&self, probed: &[Probe]) -> Option<ReplicaId> {
         self.continued(probed)
-            .max_by_key(|e| e.blocks)
+            .max_by_key(|e| e.bytes)
             .map(|e| e.replica)
     }
 
@@ -82,7 +85,7 @@ impl Jar {
         self.entries.iter().filter(|e| {
             probed
                 .iter()
-                .any(|p| p.blocks == e.blocks && p.hash == e.hash)
+                .any(|p| p.bytes == e.bytes && p.hash == e.hash)
         })
     }
 
@@ -103,7 +106,7 @@ impl Jar {
         payload.extend_from_slice(&(now_s as u32).to_be_bytes());
         for e in &self.entries {
             payload.extend_from_slice(&e.replica.to_be_bytes());
-            payload.extend_from_slice(&e.blocks.to_be_bytes());
+            payload.extend_from_slice(&e.bytes.to_be_bytes());
             payload.extend_from_slice(&e.hash.to_be_bytes());
         }
         seal(key, DOMAIN, &payload)
@@ -137,7 +140,7 @@ impl Jar {
             .chunks_exact(ENTRY_BYTES)
             .map(|e| Entry {
                 replica: u64_at(&e[..8]),
-                blocks: u32_at(&e[8..12]),
+                bytes: u32_at(&e[8..12]),
                 hash: u64_at(&e[12..]),
             })
             .collect();
@@ -153,17 +156,15 @@ pub fn find<'a>(req: &'a Pairs, name: &str) -> Option<&'a [u8]> {
         .map(|(_, v)| v)
 }
 
-/// The request's cookies without `name`, joined into one `cookie` value;
-/// `None` when `name` isn't there or another cookie isn't UTF-8 (then the
-/// header is left as it is: the upstream may see the token, which names a
-/// replica and nothing else).
-pub fn without(req: &Pairs, name: &str) -> Option<String> {
+/// The request's cookies without `name`, joined into one `cookie` value
+/// (as bytes: another cookie's needn't be UTF-8, and stays as it is);
+/// `None` when `name` isn't there.
+pub fn without(req: &Pairs, name: &str) -> Option<Vec<u8>> {
     find(req, name)?;
-    let kept: Vec<&str> = cookies_raw(req)
+    let kept: Vec<&[u8]> = cookies_raw(req)
         .filter(|pair| split(pair).0 != name.as_bytes())
-        .map(|pair| std::str::from_utf8(pair).ok())
-        .collect::<Option<_>>()?;
-    Some(kept.join("; "))
+        .collect();
+    Some(kept.join(&b"; "[..]))
 }
 
 /// The `set-cookie` value for a sealed jar. `Secure` when the client came
@@ -215,14 +216,14 @@ mod tests {
     fn entry(i: u64) -> Entry {
         Entry {
             replica: 100 + i,
-            blocks: 10 * i as u32 + 1,
+            bytes: 10 * i as u32 + 1,
             hash: 0xabc0 + i,
         }
     }
 
     fn probe(e: Entry) -> Probe {
         Probe {
-            blocks: e.blocks,
+            bytes: e.bytes,
             hash: e.hash,
         }
     }
@@ -284,7 +285,7 @@ mod tests {
         assert_eq!(jar.replica_for(&[probe(a), probe(b)]), Some(b.replica));
         // Same lengths, other content: another conversation.
         let other = Probe {
-            blocks: b.blocks,
+            bytes: b.bytes,
             hash: 1,
         };
         assert_eq!(jar.replica_for(&[other]), None);
@@ -301,11 +302,11 @@ mod tests {
         for i in 0..20 {
             jar = jar.with(entry(i), 8);
         }
-        let want: Vec<u32> = (12..20).rev().map(|i| entry(i).blocks).collect();
+        let want: Vec<u32> = (12..20).rev().map(|i| entry(i).bytes).collect();
         assert_eq!(jar.probes(), want);
         // The same entry again moves to the front, not in twice.
         let again = jar.with(entry(15), 8);
-        assert_eq!(again.probes()[0], entry(15).blocks);
+        assert_eq!(again.probes()[0], entry(15).bytes);
         assert_eq!(again.probes().len(), 8);
         // A smaller limit (the operator lowered it) cuts at the next turn;
         // the most a cookie holds opens.
@@ -339,13 +340,13 @@ mod tests {
         assert_eq!(find(&r, "pr"), Some(&b"tok"[..]));
         assert_eq!(find(&r, "c"), Some(&b""[..]));
         assert_eq!(find(&r, "p"), None);
-        assert_eq!(without(&r, "pr").as_deref(), Some("a=1; b=2; c"));
-        assert_eq!(without(&req(&["pr=x"]), "pr").as_deref(), Some(""));
+        assert_eq!(without(&r, "pr").as_deref(), Some(&b"a=1; b=2; c"[..]));
+        assert_eq!(without(&req(&["pr=x"]), "pr").as_deref(), Some(&b""[..]));
         assert_eq!(without(&r, "zz"), None);
-        // Another cookie's bytes aren't text: left as it is.
+        // Another cookie's bytes aren't text: ours goes, it stays as it is.
         let mut odd = req(&["pr=x"]);
         odd.push((b"cookie".to_vec(), vec![b'k', b'=', 0xff]));
-        assert_eq!(without(&odd, "pr"), None);
+        assert_eq!(without(&odd, "pr").as_deref(), Some(&b"k=\xff"[..]));
     }
 
     #[test]

@@ -59,6 +59,9 @@ pub trait Host: Metrics {
     fn upstream_address(&self) -> Option<String>;
     /// Set a header to one value, replacing every copy.
     fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
+    /// `replace_header` with a value that needn't be UTF-8 (a request's
+    /// own bytes, written back).
+    fn replace_header_bytes(&self, map: Map, name: &str, value: &[u8]) -> Result<(), u32>;
     /// Add a copy of a header, keeping any others.
     fn add_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32>;
     /// Up to `max` bytes of the buffered request body; `None` when the
@@ -121,8 +124,8 @@ struct Cookie {
     jar: cookie::Jar,
     /// The client came over TLS: the cookie is set `Secure`.
     secure: bool,
-    /// This request's prompt (its last checkpoint: blocks, hash), the
-    /// anchor of its entry.
+    /// This request's prompt (all of it: bytes, hash), the anchor of its
+    /// entry.
     anchor: Option<(u32, u64)>,
 }
 
@@ -322,7 +325,7 @@ impl HttpFilter {
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
         let probes = self.cookie.as_ref().map(|c| c.jar.probes());
-        let (hashed, model) = hash_body(h, w, body, probes.as_deref().unwrap_or_default());
+        let (hashed, model) = hash_body(h, w, body, probes.as_deref());
         let now = h.now_ms();
         let meta = Meta {
             model: model.as_deref(),
@@ -396,7 +399,12 @@ impl HttpFilter {
         let c = self.cookie.as_mut()?;
         let replica = c.jar.replica_for(&hashed.probes);
         c.jar.forget_continued(&hashed.probes);
-        c.anchor = hashed.checkpoints.last().map(|cp| (cp.blocks, cp.hash));
+        // At least a block: an anchor shorter is too little to tell a
+        // session by.
+        c.anchor = (!hashed.is_empty())
+            .then_some(hashed.end)
+            .flatten()
+            .map(|e| (e.bytes, e.hash));
         replica
     }
 
@@ -552,8 +560,8 @@ fn read_cookie<H: Host>(h: &H, w: &Worker, a: &Affinity, name: &str, headers: &P
         return c;
     };
     match cookie::without(headers, name).as_deref() {
-        Some("") => drop(h.remove_header(Map::Request, "cookie")),
-        Some(rest) => drop(h.replace_header(Map::Request, "cookie", rest)),
+        Some(b"") => drop(h.remove_header(Map::Request, "cookie")),
+        Some(rest) => drop(h.replace_header_bytes(Map::Request, "cookie", rest)),
         None => {}
     }
     match cookie::Jar::open(a.key.as_bytes(), value, h.now_ms() / 1000, a.max_age_s) {
@@ -576,12 +584,12 @@ fn set_cookie<H: Host>(
     replica: ReplicaId,
     now_s: u64,
 ) {
-    let Some((blocks, hash)) = c.anchor else {
+    let Some((bytes, hash)) = c.anchor else {
         return;
     };
     let entry = cookie::Entry {
         replica,
-        blocks,
+        bytes,
         hash,
     };
     let value = c
@@ -592,14 +600,14 @@ fn set_cookie<H: Host>(
     let _ = h.add_header(Map::Response, "set-cookie", &header);
 }
 
-/// Parse and hash the body (none: nothing to hash), and the prefixes of
-/// `probes` blocks. A body that doesn't parse is counted and routed on
+/// Parse and hash the body (none: nothing to hash), and with the affinity
+/// cookie the prefixes of `probes` bytes and the prompt's end. A body that doesn't parse is counted and routed on
 /// load alone.
 fn hash_body<H: Host>(
     h: &H,
     w: &Worker,
     body: Option<&[u8]>,
-    probes: &[u32],
+    probes: Option<&[u32]>,
 ) -> (Hashed, Option<String>) {
     // An empty body is no body, however the stream ended: end of stream on
     // the headers, or an empty last data frame (HTTP/2, chunked). Only the

@@ -171,6 +171,10 @@ impl Host for Fake {
     }
 
     fn replace_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
+        self.replace_header_bytes(map, name, value.as_bytes())
+    }
+
+    fn replace_header_bytes(&self, map: Map, name: &str, value: &[u8]) -> Result<(), u32> {
         if map == Map::Request && self.refuse_request_writes.get() {
             return Err(2);
         }
@@ -179,7 +183,7 @@ impl Host for Fake {
             .push(format!("replace {} {name}", map_name(map)));
         let mut m = self.map(map).borrow_mut();
         m.retain(|(k, _)| !k.eq_ignore_ascii_case(name.as_bytes()));
-        m.push((name.as_bytes().to_vec(), value.as_bytes().to_vec()));
+        m.push((name.as_bytes().to_vec(), value.to_vec()));
         Ok(())
     }
 
@@ -653,7 +657,7 @@ fn an_affinity_cookie_leads_each_session_of_a_shared_jar_to_its_replica() {
     // A forged cookie: stripped, counted, not followed.
     let entry = cookie::Entry {
         replica: 1,
-        blocks: 1,
+        bytes: 1,
         hash: 1,
     };
     let forged = cookie::Jar::default()
@@ -927,4 +931,77 @@ fn shadow_mode_counts_what_it_would_shed_and_routes_it() {
     };
     assert_eq!(answer("route"), (Action::Pause, vec![429], false, 0));
     assert_eq!(answer("shadow"), (Action::Continue, vec![], true, 1));
+}
+
+/// A chat below a system prompt whose rendering ends on a block boundary
+/// (1,536 bytes: 24 blocks of 64), then `turns` as (role, content).
+fn aligned_chat(turns: &[(&str, &str)]) -> Vec<u8> {
+    let system = "s".repeat(1521);
+    let mut messages = vec![format!(r#"{{"role":"system","content":"{system}"}}"#)];
+    messages.extend(
+        turns
+            .iter()
+            .map(|(r, c)| format!(r#"{{"role":"{r}","content":"{c}"}}"#)),
+    );
+    format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(",")).into_bytes()
+}
+
+#[test]
+fn a_new_conversation_that_shares_only_a_system_prompt_follows_no_cookie_entry() {
+    // Conversation A's first question is short: all of it lies in the
+    // prompt's last, partial block, so the whole blocks of its prompt are
+    // the system prompt every conversation shares.
+    let a1 = aligned_chat(&[("user", "What is the refund policy?")]);
+    let text = crate::request::extract(&a1, 1 << 20).unwrap().text;
+    assert_eq!(
+        text.len() / 64,
+        24,
+        "A's whole blocks are the system prompt"
+    );
+    let long = "Conversation B asks a long question. ".repeat(40);
+    let b1 = aligned_chat(&[("user", &long)]);
+    let a2 = aligned_chat(&[
+        ("user", "What is the refund policy?"),
+        ("assistant", "Thirty days."),
+        ("user", &"And for opened items? ".repeat(20)),
+    ]);
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    let (a, b) = (Fake::new(), Fake::new());
+    let (wa, wb) = (worker(&a, &extra), worker(&b, &extra));
+    let (home_a, set) = cookie_turn(&a, &wa, None, &a1);
+    // Another conversation in the same jar (README: "A new conversation
+    // in the same jar follows nothing").
+    let (_, set) = cookie_turn(&a, &wa, Some(&set.unwrap().0), &b1);
+    assert_eq!(
+        a.stat("decision.affinity"),
+        0,
+        "B's first turn followed A's entry"
+    );
+    // A's next turn, at another instance, still finds its own entry.
+    let (pick, _) = cookie_turn(&b, &wb, Some(&set.unwrap().0), &a2);
+    assert_eq!(b.stat("decision.affinity"), 1, "A lost its entry to B");
+    assert_eq!(pick, home_a);
+}
+
+#[test]
+fn the_affinity_cookie_is_stripped_beside_a_cookie_that_is_not_utf8() {
+    // README: the cookie is "removed from the request before it goes
+    // upstream (the client's other cookies stay)".
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    let fake = Fake::new();
+    let w = worker(&fake, &extra);
+    let (_, set) = cookie_turn(&fake, &w, None, &conversation(0, 1));
+    let jar = set.unwrap().0;
+    let mut header = format!("pr={jar}; theirs=").into_bytes();
+    header.extend_from_slice(&[0xe9, b'1']);
+    let s = post(&fake, &w, &[("cookie", &header)], &conversation(0, 2));
+    let sent = fake.request.borrow().clone();
+    let cookie: Vec<&[u8]> = sent
+        .iter()
+        .filter(|(k, _)| k == b"cookie")
+        .map(|(_, v)| v.as_slice())
+        .collect();
+    assert_eq!(cookie, vec![&b"theirs=\xe91"[..]]);
+    assert_eq!(fake.stat("decision.affinity"), 1);
+    drop(s);
 }

@@ -162,6 +162,12 @@ fn check(status: u32) -> Result<(), u32> {
 }
 
 pub fn replace_header(map: MapType, name: &str, value: &str) -> Result<(), u32> {
+    replace_header_bytes(map, name, value.as_bytes())
+}
+
+/// `replace_header` with a value of any bytes (a request's own, written
+/// back: the ABI takes bytes).
+pub fn replace_header_bytes(map: MapType, name: &str, value: &[u8]) -> Result<(), u32> {
     // SAFETY: pointers and lengths come from live Rust slices; the host
     // copies the bytes before returning.
     check(unsafe {

@@ -94,6 +94,10 @@ impl<'a> Host for Stream<'a> {
         abi::replace_header(map_type(map), name, value)
     }
 
+    fn replace_header_bytes(&self, map: Map, name: &str, value: &[u8]) -> Result<(), u32> {
+        abi::replace_header_bytes(map_type(map), name, value)
+    }
+
     fn add_header(&self, map: Map, name: &str, value: &str) -> Result<(), u32> {
         abi::add_header(map_type(map), name, value)
     }

@@ -18,6 +18,10 @@ pub struct Hashed {
     pub later_turn: bool,
     /// The prefixes asked for by `parse_probing` that the prompt reaches.
     pub probes: Vec<Probe>,
+    /// The whole prompt's length in bytes and hash (its partial last
+    /// block too): what a later prompt that starts with all of it probes
+    /// equal to (the affinity cookie's anchor).
+    pub end: Option<Probe>,
 }
 
 fn lead_blocks(lead_bytes: usize, own_messages: u32, cfg: &Config) -> u32 {
@@ -30,11 +34,13 @@ fn lead_blocks(lead_bytes: usize, own_messages: u32, cfg: &Config) -> u32 {
 impl Hashed {
     pub fn of(prompt: &Prompt, cfg: &Config) -> Hashed {
         let seed = prefix::seed(&prompt.model, prompt.cache_salt.as_deref());
+        let schedule = cfg.schedule();
         Hashed {
-            checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule()),
+            checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &schedule),
             lead_blocks: lead_blocks(prompt.lead_bytes, prompt.own_messages, cfg),
             later_turn: prompt.own_messages > 1,
             probes: Vec::new(),
+            end: prefix::end(seed, &prompt.text, cfg.block_bytes, &schedule),
         }
     }
 
@@ -45,23 +51,28 @@ impl Hashed {
         body: &[u8],
         cfg: &Config,
     ) -> Result<(request::Header, Hashed), request::ParseError> {
-        Self::parse_probing(body, cfg, &[])
+        Self::parse_probing(body, cfg, None)
     }
 
-    /// `parse`, also hashing the prefixes of `probes` blocks (see
-    /// `prefix::Hasher::probing`).
+    /// `parse`, also hashing the prefixes of `probes` bytes and the
+    /// prompt's end when asked (see `prefix::Hasher::probing`: the
+    /// affinity cookie's).
     pub fn parse_probing(
         body: &[u8],
         cfg: &Config,
-        probes: &[u32],
+        probes: Option<&[u32]>,
     ) -> Result<(request::Header, Hashed), request::ParseError> {
         let (header, hasher) = request::extract_into(body, cfg.max_body_bytes, |h| {
             let seed = prefix::seed(&h.model, h.cache_salt.as_deref());
-            prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule()).probing(probes)
+            let hasher = prefix::Hasher::new(seed, cfg.block_bytes, &cfg.schedule());
+            match probes {
+                Some(p) => hasher.probing(p),
+                None => hasher,
+            }
         })?;
         let lead_blocks = lead_blocks(header.lead_bytes, header.own_messages, cfg);
         let later_turn = header.own_messages > 1;
-        let (checkpoints, probes) = hasher.finish_probed();
+        let (checkpoints, probes, end) = hasher.finish_probed();
         Ok((
             header,
             Hashed {
@@ -69,6 +80,7 @@ impl Hashed {
                 lead_blocks,
                 later_turn,
                 probes,
+                end,
             },
         ))
     }
