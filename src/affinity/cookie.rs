@@ -26,11 +26,15 @@
 //! a shared jar, new sessions are better placed where every instance
 //! agrees, and the cookie keeps them from moving.
 //!
-//! Value: lowercase hex of the issue time (4 bytes), the entries (replica
-//! id 8, anchor bytes 4, anchor hash 8, newest first), and the first 16
-//! bytes of HMAC-SHA256(key, "prefix-router/affinity-cookie/v1" | all
-//! that): 40 characters, and 40 an entry (1-64 entries: 80-2,600, under
-//! the 4 KiB a cookie may hold).
+//! Each entry has its own issue time (its session's last turn), so an
+//! idle session's entry expires after `max_age_s` however busy the jar's
+//! other sessions keep the cookie.
+//!
+//! Value: lowercase hex of the entries (replica id 8 bytes, anchor bytes
+//! 4, anchor hash 8, issue time 4; newest first), then the first 16 bytes
+//! of HMAC-SHA256(key, "prefix-router/affinity-cookie/v1" | the entries):
+//! 32 characters, and 48 an entry (1-64 entries: 80-3,104, under the
+//! 4 KiB a cookie may hold).
 
 use super::{fresh, open, seal, u32_at, u64_at, unhex, AffinityError, MAC_BYTES};
 use crate::endpoint::ReplicaId;
@@ -39,9 +43,9 @@ use crate::prefix::Probe;
 
 const DOMAIN: &[u8] = b"prefix-router/affinity-cookie/v1";
 /// Most sessions one cookie can hold (`affinity.cookie_sessions` is at
-/// most this): 2,600 characters.
+/// most this): 3,104 characters.
 pub const MAX_SESSIONS: usize = 64;
-const ENTRY_BYTES: usize = 8 + 4 + 8;
+const ENTRY_BYTES: usize = 8 + 4 + 8 + 4;
 
 /// A session in the cookie: the replica that served its last turn, and
 /// that turn's prompt (`bytes` long, hashing to `hash`).
@@ -50,6 +54,15 @@ pub struct Entry {
     pub replica: ReplicaId,
     pub bytes: u32,
     pub hash: u64,
+    /// When its turn was answered (seconds since the epoch, mod 2^32).
+    pub issued: u32,
+}
+
+impl Entry {
+    /// The same prompt (whatever replica or time).
+    fn same_anchor(&self, o: &Entry) -> bool {
+        (self.bytes, self.hash) == (o.bytes, o.hash)
+    }
 }
 
 /// The sessions a client's cookie holds, newest first (at most
@@ -89,61 +102,62 @@ impl Jar {
         })
     }
 
-    /// This jar with `e` first, and at most `keep` entries in all (the
-    /// oldest go).
+    /// This jar with `e` first (in place of an entry for the same
+    /// prompt), and at most `keep` entries in all (the oldest go).
     pub fn with(&self, e: Entry, keep: usize) -> Jar {
         let keep = keep.clamp(1, MAX_SESSIONS);
         let mut entries = Vec::with_capacity(keep);
         entries.push(e);
-        let rest = self.entries.iter().filter(|o| **o != e);
+        let rest = self.entries.iter().filter(|o| !o.same_anchor(&e));
         entries.extend(rest.take(keep - 1).copied());
         Jar { entries }
     }
 
-    /// The cookie value, issued at `now_s`.
-    pub fn seal(&self, key: &[u8], now_s: u64) -> String {
-        let mut payload = Vec::with_capacity(4 + self.entries.len() * ENTRY_BYTES);
-        payload.extend_from_slice(&(now_s as u32).to_be_bytes());
+    /// The cookie value.
+    pub fn seal(&self, key: &[u8]) -> String {
+        let mut payload = Vec::with_capacity(self.entries.len() * ENTRY_BYTES);
         for e in &self.entries {
             payload.extend_from_slice(&e.replica.to_be_bytes());
             payload.extend_from_slice(&e.bytes.to_be_bytes());
             payload.extend_from_slice(&e.hash.to_be_bytes());
+            payload.extend_from_slice(&e.issued.to_be_bytes());
         }
         seal(key, DOMAIN, &payload)
     }
 
-    /// The sessions a cookie value holds, if it is ours and fresh. Bounded
-    /// work on any input: a value longer than the most entries isn't
-    /// decoded.
+    /// The sessions a cookie value holds that are still fresh, if it is
+    /// ours (`Expired` when none is). Bounded work on any input: a value
+    /// longer than the most entries isn't decoded.
     pub fn open(
         key: &[u8],
         value: &[u8],
         now_s: u64,
         max_age_s: u64,
     ) -> Result<Jar, AffinityError> {
-        let least = 4 + ENTRY_BYTES + MAC_BYTES;
-        let most = 4 + MAX_SESSIONS * ENTRY_BYTES + MAC_BYTES;
+        let least = ENTRY_BYTES + MAC_BYTES;
+        let most = MAX_SESSIONS * ENTRY_BYTES + MAC_BYTES;
         let raw = unhex(value.trim_ascii(), least..=most)?;
         if !raw
             .len()
-            .saturating_sub(4 + MAC_BYTES)
+            .saturating_sub(MAC_BYTES)
             .is_multiple_of(ENTRY_BYTES)
         {
             return Err(AffinityError::Malformed);
         }
         let payload = open(key, DOMAIN, &raw)?;
-        let (t, entries) = payload
-            .split_at_checked(4)
-            .ok_or(AffinityError::Malformed)?;
-        fresh(u32_at(t), now_s, max_age_s)?;
-        let entries = entries
+        let entries: Vec<Entry> = payload
             .chunks_exact(ENTRY_BYTES)
             .map(|e| Entry {
                 replica: u64_at(&e[..8]),
                 bytes: u32_at(&e[8..12]),
-                hash: u64_at(&e[12..]),
+                hash: u64_at(&e[12..20]),
+                issued: u32_at(&e[20..]),
             })
+            .filter(|e| fresh(e.issued, now_s, max_age_s).is_ok())
             .collect();
+        if entries.is_empty() {
+            return Err(AffinityError::Expired);
+        }
         Ok(Jar { entries })
     }
 }
@@ -218,6 +232,7 @@ mod tests {
             replica: 100 + i,
             bytes: 10 * i as u32 + 1,
             hash: 0xabc0 + i,
+            issued: 1_000_000,
         }
     }
 
@@ -231,14 +246,38 @@ mod tests {
     #[test]
     fn a_jar_round_trips_through_its_cookie_value() {
         let jar = Jar::default().with(entry(1), 8).with(entry(2), 8);
-        let v = jar.seal(KEY, 1_000_000);
-        assert_eq!(v.len(), 2 * (4 + 2 * 20 + 16));
+        let v = jar.seal(KEY);
+        assert_eq!(v.len(), 2 * (2 * 24 + 16));
         assert_eq!(Jar::open(KEY, v.as_bytes(), 1_000_100, 3600), Ok(jar));
     }
 
     #[test]
+    fn an_idle_sessions_entry_expires_however_busy_the_jar() {
+        // Session 1 went quiet at 1,000,000; session 2 kept the cookie
+        // in use (each of its turns sets the cookie again).
+        let busy = Entry {
+            issued: 1_003_000,
+            ..entry(2)
+        };
+        let v = Jar::default().with(entry(1), 8).with(busy, 8).seal(KEY);
+        let opened = Jar::open(KEY, v.as_bytes(), 1_003_601, 3600).unwrap();
+        assert_eq!(opened, Jar::default().with(busy, 8));
+        assert_eq!(
+            Jar::open(KEY, v.as_bytes(), 1_006_601, 3600),
+            Err(AffinityError::Expired)
+        );
+        // A turn of the same prompt again (served elsewhere): one entry.
+        let moved = Entry {
+            replica: 7,
+            issued: 1_003_500,
+            ..busy
+        };
+        assert_eq!(opened.with(moved, 8), Jar::default().with(moved, 8));
+    }
+
+    #[test]
     fn forged_foreign_expired_and_garbage_values_are_refused() {
-        let v = Jar::default().with(entry(1), 8).seal(KEY, 1_000_000);
+        let v = Jar::default().with(entry(1), 8).seal(KEY);
         let mut forged = v.clone().into_bytes();
         forged[20] = if forged[20] == b'0' { b'1' } else { b'0' };
         assert_eq!(
@@ -247,7 +286,7 @@ mod tests {
         );
         let foreign = Jar::default()
             .with(entry(1), 8)
-            .seal(b"another key, also 32 bytes long!", 1_000_000);
+            .seal(b"another key, also 32 bytes long!");
         assert_eq!(
             Jar::open(KEY, foreign.as_bytes(), 1_000_000, 3600),
             Err(AffinityError::Forged)
@@ -256,13 +295,13 @@ mod tests {
             Jar::open(KEY, v.as_bytes(), 1_003_601, 3600),
             Err(AffinityError::Expired)
         );
-        let too_many = "0".repeat(2 * (4 + 65 * 20 + 16));
-        let ragged = "0".repeat(2 * (4 + 20 + 16) + 2);
+        let too_many = "0".repeat(2 * (65 * 24 + 16));
+        let ragged = "0".repeat(2 * (24 + 16) + 2);
         let header_token = super::super::mint(KEY, 7, 1_000_000);
         for junk in [
             &b""[..],
             b"zz",
-            &v.as_bytes()[..71],
+            &v.as_bytes()[..79],
             too_many.as_bytes(),
             ragged.as_bytes(),
             header_token.as_bytes(),
@@ -316,8 +355,8 @@ mod tests {
             full = full.with(entry(i), 1000);
         }
         assert_eq!(full.probes().len(), MAX_SESSIONS);
-        let v = full.seal(KEY, 1_000_000);
-        assert_eq!(v.len(), 2_600);
+        let v = full.seal(KEY);
+        assert_eq!(v.len(), 3_104);
         assert_eq!(
             Jar::open(KEY, v.as_bytes(), 1_000_000, 60).map(|j| j.probes().len()),
             Ok(64)

@@ -591,11 +591,9 @@ fn set_cookie<H: Host>(
         replica,
         bytes,
         hash,
+        issued: now_s as u32,
     };
-    let value = c
-        .jar
-        .with(entry, a.cookie_sessions)
-        .seal(a.key.as_bytes(), now_s);
+    let value = c.jar.with(entry, a.cookie_sessions).seal(a.key.as_bytes());
     let header = cookie::set_cookie(name, &value, a.max_age_s, c.secure);
     let _ = h.add_header(Map::Response, "set-cookie", &header);
 }

@@ -659,10 +659,11 @@ fn an_affinity_cookie_leads_each_session_of_a_shared_jar_to_its_replica() {
         replica: 1,
         bytes: 1,
         hash: 1,
+        issued: now_s as u32,
     };
     let forged = cookie::Jar::default()
         .with(entry, 8)
-        .seal(b"another key, also at least 32 bytes long", now_s);
+        .seal(b"another key, also at least 32 bytes long");
     cookie_turn(&b, &wb, Some(&forged), &conversation(0, 4));
     assert_eq!(b.stat("affinity.rejected"), 1);
     assert_eq!(b.stat("decision.affinity"), 8);
