@@ -16,7 +16,11 @@ them; each cell is the median of `--reps` runs; proxy CPU comes from
 /proc/<pid>/stat (user + system, all threads) over the run.
 
     scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144] [--shapes chat,agent]
-        [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...] [--workers 2]
+        [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...] [--workers 2] [--cookie]
+
+`--cookie` adds `prefix-router-cookie`: the same module with session
+affinity in a cookie (`affinity.cookie`), whose load client keeps the
+cookie and sends it back as a client's jar does.
 """
 from __future__ import annotations
 
@@ -68,6 +72,10 @@ def echo_backend():
 MODULES: dict[str, Path] = {}
 # Envoy's --concurrency for every Envoy-based router.
 WORKERS = 2
+# Plugin settings beyond the endpoints, by router name; and the cookie its
+# load client keeps (`--cookie`).
+PLUGINS: dict[str, dict] = {}
+COOKIES: dict[str, str] = {}
 
 
 @contextlib.contextmanager
@@ -79,8 +87,8 @@ def proxy(kind: str, backend: str):
     if kind in MODULES:
         # Scraping off: the echo backend has no metrics page.
         cfg = harness.render_config(
-            "override_host", {"endpoints": [backend]}, [backend], harness.free_port(), harness.free_port(),
-            wasm_path=MODULES[kind],
+            "override_host", {"endpoints": [backend], **PLUGINS.get(kind, {})}, [backend],
+            harness.free_port(), harness.free_port(), wasm_path=MODULES[kind],
         )
         with harness.Envoy(cfg, concurrency=WORKERS) as env:
             yield f"127.0.0.1:{env.port}", env.proc.pid
@@ -94,11 +102,12 @@ def proxy(kind: str, backend: str):
         yield router.targets[0], pid
 
 
-def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat") -> dict:
+def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat",
+             cookie: str = "") -> dict:
     out = subprocess.run(
         [str(TOOL), "load", "--target", f"http://{target}/v1/chat/completions",
          "--concurrency", str(concurrency), "--body-bytes", str(size), "--seconds", str(seconds),
-         "--reconnect-every", "50", "--shape", shape],
+         "--reconnect-every", "50", "--shape", shape, "--cookie", cookie],
         capture_output=True, text=True, timeout=seconds + 60, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -120,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--module", action="append", default=[], metavar="NAME=PATH",
                     help="any other proxy-wasm module, loaded the same way and measured as NAME")
     ap.add_argument("--workers", type=int, default=2, help="Envoy's --concurrency (worker threads)")
+    ap.add_argument("--cookie", action="store_true",
+                    help="also measure prefix-router-cookie: session affinity in a cookie, sent back")
     a = ap.parse_args(argv)
     global WORKERS
     WORKERS = a.workers
@@ -128,6 +139,11 @@ def main(argv=None) -> int:
     extra = dict(m.split("=", 1) for m in a.module)
     if a.before:
         extra["prefix-router-before"] = a.before
+    if a.cookie:
+        extra["prefix-router-cookie"] = a.wasm
+        PLUGINS["prefix-router-cookie"] = {"affinity": {
+            "key": "bench-overhead-affinity-key-0123456789", "cookie": "prefix-router"}}
+        COOKIES["prefix-router-cookie"] = "prefix-router"
     for name, path in extra.items():
         MODULES[name] = Path(path)
         if name not in a.routers.split(","):
@@ -151,7 +167,7 @@ def main(argv=None) -> int:
             for _ in range(a.reps):
                 for kind, (target, pid) in up.items():
                     c0 = cpu_seconds(pid) if pid else 0.0
-                    r = run_load(target, conc, size, a.seconds, shape)
+                    r = run_load(target, conc, size, a.seconds, shape, COOKIES.get(kind, ""))
                     r["proxy_cpu_us_per_req"] = (
                         (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
                     )

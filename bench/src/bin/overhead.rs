@@ -55,6 +55,11 @@ enum Cmd {
         reconnect_every: usize,
         #[arg(long, value_enum, default_value_t = Shape::Chat)]
         shape: Shape,
+        /// Keep this cookie as a client's jar does (each response's value
+        /// replaces the last) and send it back: prefix-router's
+        /// `affinity.cookie`. Empty = no cookies.
+        #[arg(long, default_value = "")]
+        cookie: String,
     },
 }
 
@@ -180,13 +185,26 @@ fn parse_target(url: &str) -> Result<Target, String> {
     })
 }
 
+/// The value a response sets for cookie `name`, if any.
+fn set_cookie(resp: &Response<hyper::body::Incoming>, name: &str) -> Option<String> {
+    resp.headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .filter_map(|v| v.split(';').next()?.trim().split_once('='))
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v.to_string())
+}
+
 async fn client(
     t: Arc<Target>,
     bodies: Arc<Vec<Bytes>>,
     seed: usize,
     stop: Arc<AtomicBool>,
     reconnect_every: usize,
+    cookie: Arc<String>,
 ) -> (Vec<u32>, u64) {
+    let mut jar: Option<String> = None;
     let mut lat = Vec::new();
     let mut errors = 0u64;
     let mut i = seed;
@@ -209,10 +227,13 @@ async fn client(
             let body = bodies[i % bodies.len()].clone();
             i += 7;
             on_conn += 1;
-            let req = Request::post(t.path.as_str())
+            let mut req = Request::post(t.path.as_str())
                 .header("host", t.addr.as_str())
-                .header("content-type", "application/json")
-                .body(Full::new(body));
+                .header("content-type", "application/json");
+            if let Some(v) = jar.as_ref().filter(|_| !cookie.is_empty()) {
+                req = req.header("cookie", format!("{cookie}={v}"));
+            }
+            let req = req.body(Full::new(body));
             let Ok(req) = req else {
                 errors += 1;
                 break;
@@ -221,6 +242,9 @@ async fn client(
             match send.send_request(req).await {
                 Ok(resp) => {
                     let ok = resp.status().is_success();
+                    if !cookie.is_empty() {
+                        jar = set_cookie(&resp, &cookie).or(jar);
+                    }
                     let _ = resp.into_body().collect().await;
                     if ok {
                         lat.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32);
@@ -253,7 +277,9 @@ async fn load(
     seconds: f64,
     reconnect_every: usize,
     shape: Shape,
+    cookie: String,
 ) -> Result<(), String> {
+    let cookie = Arc::new(cookie);
     let t = Arc::new(parse_target(target)?);
     let b = Arc::new(bodies(body_bytes, shape));
     let stop = Arc::new(AtomicBool::new(false));
@@ -266,6 +292,7 @@ async fn load(
                 k,
                 stop.clone(),
                 reconnect_every,
+                cookie.clone(),
             ))
         })
         .collect();
@@ -318,6 +345,7 @@ fn main() -> std::process::ExitCode {
                 seconds,
                 reconnect_every,
                 shape,
+                cookie,
             } => {
                 load(
                     &target,
@@ -326,6 +354,7 @@ fn main() -> std::process::ExitCode {
                     seconds,
                     reconnect_every,
                     shape,
+                    cookie,
                 )
                 .await
             }
