@@ -24,7 +24,7 @@ use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
 use crate::index::RecordStats;
 use crate::load::{LoadBoard, Start};
-use crate::prefix::Checkpoint;
+use crate::prefix::{Checkpoint, Probe};
 use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
 use crate::score::Reason;
 use crate::store::Store;
@@ -124,9 +124,8 @@ struct Cookie {
     jar: cookie::Jar,
     /// The client came over TLS: the cookie is set `Secure`.
     secure: bool,
-    /// This request's prompt (all of it: bytes, hash), the anchor of its
-    /// entry.
-    anchor: Option<(u32, u64)>,
+    /// This request's prompt (all of it), the anchor of its entry.
+    anchor: Option<Probe>,
 }
 
 /// One HTTP stream's state.
@@ -401,10 +400,7 @@ impl HttpFilter {
         c.jar.forget_continued(&hashed.probes);
         // At least a block: an anchor shorter is too little to tell a
         // session by.
-        c.anchor = (!hashed.is_empty())
-            .then_some(hashed.end)
-            .flatten()
-            .map(|e| (e.bytes, e.hash));
+        c.anchor = hashed.end.filter(|_| !hashed.is_empty());
         replica
     }
 
@@ -584,13 +580,13 @@ fn set_cookie<H: Host>(
     replica: ReplicaId,
     now_s: u64,
 ) {
-    let Some((bytes, hash)) = c.anchor else {
+    let Some(anchor) = c.anchor else {
         return;
     };
     let entry = cookie::Entry {
         replica,
-        bytes,
-        hash,
+        bytes: anchor.bytes,
+        hash: anchor.hash,
         issued: now_s as u32,
     };
     let value = c.jar.with(entry, a.cookie_sessions).seal(a.key.as_bytes());

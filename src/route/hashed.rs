@@ -34,13 +34,13 @@ fn lead_blocks(lead_bytes: usize, own_messages: u32, cfg: &Config) -> u32 {
 impl Hashed {
     pub fn of(prompt: &Prompt, cfg: &Config) -> Hashed {
         let seed = prefix::seed(&prompt.model, prompt.cache_salt.as_deref());
-        let schedule = cfg.schedule();
+        let cps = prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &cfg.schedule());
         Hashed {
-            checkpoints: prefix::checkpoints(seed, &prompt.text, cfg.block_bytes, &schedule),
+            end: prefix::end(seed, &prompt.text, cfg.block_bytes, &cps),
+            checkpoints: cps,
             lead_blocks: lead_blocks(prompt.lead_bytes, prompt.own_messages, cfg),
             later_turn: prompt.own_messages > 1,
             probes: Vec::new(),
-            end: prefix::end(seed, &prompt.text, cfg.block_bytes, &schedule),
         }
     }
 
