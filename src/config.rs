@@ -308,6 +308,12 @@ pub struct Affinity {
     /// Sessions one cookie remembers (a jar several sessions share keeps
     /// the latest this many), at most `affinity::cookie::MAX_SESSIONS`.
     pub cookie_sessions: usize,
+    /// Name each stored Responses API response after the replica that
+    /// holds it (see `affinity::response`): the filter sets the
+    /// request's `request_id`, which vLLM and SGLang use as the
+    /// response's id, so a follow-up by `previous_response_id` (or a
+    /// `GET /v1/responses/{id}`) reaches that replica from any instance.
+    pub response_ids: bool,
 }
 
 impl Default for Affinity {
@@ -319,6 +325,7 @@ impl Default for Affinity {
             clients_echo: false,
             cookie: None,
             cookie_sessions: 16,
+            response_ids: false,
         }
     }
 }
@@ -333,6 +340,7 @@ impl fmt::Debug for Affinity {
             .field("clients_echo", &self.clients_echo)
             .field("cookie", &self.cookie)
             .field("cookie_sessions", &self.cookie_sessions)
+            .field("response_ids", &self.response_ids)
             .finish()
     }
 }
@@ -895,6 +903,7 @@ mod tests {
         assert_eq!(a.header, "x-prefix-router-affinity");
         assert_eq!(a.key, KEY);
         assert_eq!((a.max_age_s, a.clients_echo), (3600, false));
+        assert!(!a.response_ids);
         let json = format!(
             r#"{{"endpoints":["10.0.0.1:1"],"affinity":{{"header":"x-session","key":"{KEY}","max_age_s":604800,"clients_echo":true}}}}"#
         );

@@ -101,13 +101,21 @@ pub fn admin_clusters(data: &[u8]) {
     crate::discovery::check_admin_json(data);
 }
 
-/// Affinity tokens and cookies as a client may send them: a header token,
-/// a cookie header, and a cookie value, none of which may panic; a value
-/// that opens is within the jar's bounds.
+/// Affinity tokens, cookies and response ids as a client may send them: a
+/// header token, a cookie header, a cookie value, a response id, a path
+/// and a body to name, none of which may panic; a value that opens is
+/// within the jar's bounds, and a named body starts with its name.
 pub fn affinity_values(data: &[u8]) {
-    use crate::affinity::{self, cookie};
+    use crate::affinity::{self, cookie, response};
     const KEY: &[u8] = b"fuzzing-key-fuzzing-key-fuzzing-key";
     let _ = affinity::verify(KEY, data, 1_000_000, 3600);
+    let _ = response::replica_of(KEY, data);
+    if let Some(named) = response::with_request_id(data, "resp_x") {
+        assert!(named.starts_with(br#"{"request_id":"resp_x""#));
+    }
+    if let Ok(path) = std::str::from_utf8(data) {
+        let _ = response::id_in_path(path, &["/v1/responses".to_string()]);
+    }
     if let Ok(jar) = cookie::Jar::open(KEY, data, 1_000_000, 3600) {
         assert!((1..=cookie::MAX_SESSIONS).contains(&jar.probes().len()));
     }

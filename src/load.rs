@@ -189,6 +189,11 @@ impl LoadBoard {
         }
     }
 
+    /// This VM's id (unique per VM).
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+
     pub fn local(&self, id: ReplicaId) -> Load {
         self.local.get(&id).copied().unwrap_or_default()
     }

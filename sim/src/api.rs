@@ -25,6 +25,7 @@ use crate::hash::chain_hashes;
 use crate::metrics_fault::{self, MetricsFault};
 use crate::openai::{self, Kind, Meta, Prepared};
 use crate::replica::Replica;
+use crate::responses;
 
 type Shared = State<Arc<Replica>>;
 type RawBody = Result<Bytes, BytesRejection>;
@@ -37,6 +38,8 @@ pub fn router(replica: Arc<Replica>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/responses", post(responses))
+        .route("/v1/responses/{id}", get(stored_response))
         .route("/v1/completions/render", post(render_completion))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/tokenize", post(tokenize))
@@ -154,8 +157,23 @@ struct Job {
 async fn infer(r: Arc<Replica>, kind: Kind, headers: &HeaderMap, body: RawBody) -> Answer {
     let body = read_body(body)?;
     let prepared = openai::parse(kind, &body).map_err(bad_request)?;
+    let (job, rx) = submit(&r, headers, prepared).await?;
+    if job.prepared.stream {
+        Ok(sse(job, rx))
+    } else {
+        collect(job, rx).await
+    }
+}
+
+/// Validate a prepared request, apply the delays and failures asked for,
+/// and hand it to the engine: its job, and the engine's events for it.
+async fn submit(
+    r: &Arc<Replica>,
+    headers: &HeaderMap,
+    prepared: Prepared,
+) -> Result<(Job, mpsc::UnboundedReceiver<Event>), ApiError> {
     let header_delay = delay_header(headers)?;
-    let job = validate(&r, prepared)?;
+    let job = validate(r, prepared)?;
     if r.fail.should_fail() {
         return Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -184,11 +202,117 @@ async fn infer(r: Arc<Replica>, kind: Kind, headers: &HeaderMap, body: RawBody) 
     if !r.engine.submit(sub).await {
         return Err(error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"));
     }
-    if job.prepared.stream {
-        Ok(sse(job, rx))
-    } else {
-        collect(job, rx).await
+    Ok((job, rx))
+}
+
+/// `POST /v1/responses`: the stored conversation it continues (404 when
+/// this replica has none of that id), then the new input; stored in turn
+/// once generated, unless `store` is false.
+async fn responses(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answer {
+    let body = read_body(body)?;
+    let req = responses::parse(&body).map_err(bad_request)?;
+    let history = match &req.previous {
+        Some(id) => r.responses.get(id).ok_or_else(|| not_stored(id))?,
+        None => Vec::new(),
+    };
+    let prepared = Prepared {
+        kind: Kind::Chat,
+        model: req.model.clone(),
+        cache_salt: req.cache_salt.clone(),
+        tokens: crate::tokenizer::encode(&responses::render(&req, &history)),
+        max_tokens: req.max_output_tokens,
+        stream: req.stream,
+        include_usage: false,
+    };
+    let (job, mut rx) = submit(&r, &headers, prepared).await?;
+    let meta = responses::Meta {
+        id: req.request_id.clone().unwrap_or_else(|| {
+            let n = job.meta.id.rsplit('-').next().unwrap_or("0");
+            format!("resp_{}{n:0>8}", r.port)
+        }),
+        model: job.meta.model.clone(),
+        created: job.meta.created,
+        previous: req.previous.clone(),
+        store: req.store,
+    };
+    // What the next turn continues: this one's conversation and answer.
+    let mut turns = history;
+    turns.extend(req.input.iter().cloned());
+    let keep = move |r: &Replica, id: &str, text: &str| {
+        if req.store {
+            let mut t = turns.clone();
+            t.push(("assistant".into(), text.to_string()));
+            r.responses.put(id.to_string(), t);
+        }
+    };
+    if !job.prepared.stream {
+        let mut text = String::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Token(t) => text.push_str(t),
+                Event::Done(usage) => {
+                    keep(&r, &meta.id, &text);
+                    return Ok(Json(meta.object(Some((&text, &usage)))).into_response());
+                }
+            }
+        }
+        return Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "engine dropped the request",
+        ));
     }
+    let created = responses::Meta::event(
+        "response.created",
+        0,
+        json!({"response": meta.object(None)}),
+    );
+    let mut seq = 0u64;
+    let mut text = String::new();
+    let events = UnboundedReceiverStream::new(rx).map(move |ev| {
+        seq += 1;
+        let frame = match ev {
+            Event::Token(t) => {
+                text.push_str(t);
+                let delta = json!({"item_id": format!("msg_{seq}"), "output_index": 0, "content_index": 0, "delta": t});
+                responses::Meta::event("response.output_text.delta", seq, delta)
+            }
+            Event::Done(usage) => {
+                keep(&r, &meta.id, &text);
+                let done = json!({"response": meta.object(Some((&text, &usage)))});
+                responses::Meta::event("response.completed", seq, done)
+            }
+        };
+        Ok::<_, Infallible>(Bytes::from(frame))
+    });
+    let first = tokio_stream::once(Ok::<_, Infallible>(Bytes::from(created)));
+    let headers = [
+        (header::CONTENT_TYPE, "text/event-stream"),
+        (header::CACHE_CONTROL, "no-cache"),
+    ];
+    Ok((headers, Body::from_stream(first.chain(events))).into_response())
+}
+
+/// `GET /v1/responses/{id}`: the stored conversation's last answer.
+async fn stored_response(
+    State(r): Shared,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Answer {
+    let turns = r.responses.get(&id).ok_or_else(|| not_stored(&id))?;
+    let text = turns.last().map(|t| t.1.clone()).unwrap_or_default();
+    Ok(Json(
+        json!({"id": id, "object": "response", "status": "completed",
+        "output": [{"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}]}]}),
+    )
+    .into_response())
+}
+
+/// vLLM's answer for a response id it doesn't hold.
+fn not_stored(id: &str) -> ApiError {
+    error(
+        StatusCode::NOT_FOUND,
+        format!("Response with id '{id}' not found."),
+    )
 }
 
 fn delay_header(headers: &HeaderMap) -> Result<u64, ApiError> {

@@ -11,6 +11,7 @@ mod metrics_fault;
 mod openai;
 mod preset;
 mod replica;
+mod responses;
 mod template;
 mod tokenizer;
 

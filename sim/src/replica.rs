@@ -12,6 +12,10 @@ use crate::hash::hash_str;
 use crate::metrics::{Info, Metrics};
 use crate::metrics_fault::MetricsFault;
 use crate::preset::EngineConfig;
+use crate::responses::Store;
+
+/// Stored responses a replica keeps; the oldest go first.
+const STORED_RESPONSES: usize = 65_536;
 
 /// Settings shared by all replicas of the process.
 #[derive(Clone)]
@@ -36,6 +40,9 @@ pub struct Replica {
     pub metrics_fault: watch::Sender<MetricsFault>,
     pub fail: FailRate,
     pub next_id: AtomicU64,
+    /// Stored Responses API conversations, by response id (in memory, as
+    /// vLLM keeps them).
+    pub responses: Store,
 }
 
 impl Replica {
@@ -78,6 +85,7 @@ impl Replica {
             fault: watch::Sender::new(initial),
             metrics_fault: watch::Sender::new(metrics_fault),
             next_id: AtomicU64::new(0),
+            responses: Store::new(STORED_RESPONSES),
         })
     }
 

@@ -548,3 +548,34 @@ fn cache_salt_separates_kv() {
             > 200
     );
 }
+
+#[test]
+fn a_stored_response_continues_on_its_replica_only() {
+    let sim = Sim::start(2, &[]);
+    let (a, b) = (sim.addr(), sim.addrs[1].as_str());
+    let first = json!({"model": "sim-model", "instructions": text(2, 300), "input": "Hello.",
+                       "max_output_tokens": 3, "request_id": "resp_named"});
+    let r = post(a, "/v1/responses", &first).json();
+    assert_eq!(
+        (r["id"].as_str(), r["status"].as_str()),
+        (Some("resp_named"), Some("completed"))
+    );
+    let next = json!({"model": "sim-model", "instructions": text(2, 300), "input": "And?",
+                      "previous_response_id": "resp_named", "max_output_tokens": 3});
+    // The stored conversation is the new prompt's prefix, in the cache.
+    let r = post(a, "/v1/responses", &next).json();
+    let cached = r["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 300, "{cached}");
+    assert_eq!(get(a, "/v1/responses/resp_named").status, 200);
+    // Another replica has no such response.
+    let elsewhere = post(b, "/v1/responses", &next);
+    assert_eq!(elsewhere.status, 404, "{}", elsewhere.body);
+    assert_eq!(get(b, "/v1/responses/resp_named").status, 404);
+    // Not stored: nothing to continue.
+    let unstored =
+        json!({"input": "x", "store": false, "request_id": "resp_gone", "max_output_tokens": 1});
+    assert_eq!(post(a, "/v1/responses", &unstored).status, 200);
+    assert_eq!(get(a, "/v1/responses/resp_gone").status, 404);
+}

@@ -13,6 +13,7 @@
 //! sessions, each by its last prompt.
 
 pub mod cookie;
+pub mod response;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -18,13 +18,14 @@ use std::rc::Rc;
 
 pub use proxy_wasm::types::Action;
 
-use crate::affinity::{self, cookie};
+use crate::affinity::{self, cookie, response};
 use crate::config::{Affinity, Config, Mode, DEFAULT_DESTINATION_HEADER};
 use crate::endpoint::{Endpoint, ReplicaId};
 use crate::headers::{self, Pairs};
 use crate::index::RecordStats;
 use crate::load::{LoadBoard, Start};
 use crate::prefix::{Checkpoint, Probe};
+use crate::request::{Header, Responses};
 use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
 use crate::score::Reason;
 use crate::store::Store;
@@ -67,6 +68,8 @@ pub trait Host: Metrics {
     /// Up to `max` bytes of the buffered request body; `None` when the
     /// host has none to give.
     fn request_body(&self, max: usize) -> Option<Vec<u8>>;
+    /// Replace the whole buffered request body (before it goes upstream).
+    fn replace_request_body(&self, body: &[u8]) -> Result<(), u32>;
     /// Answer the request from the filter instead of forwarding it.
     fn send_local_response(
         &self,
@@ -141,6 +144,12 @@ pub struct HttpFilter {
     /// The replica a verified affinity token from the client names.
     affinity: Option<ReplicaId>,
     cookie: Option<Cookie>,
+    /// The replica holding the stored response the path names
+    /// (`GET /v1/responses/{id}`), with `affinity.response_ids`.
+    stored: Option<ReplicaId>,
+    /// The request came with a `content-length`, which a renamed body's
+    /// must replace.
+    content_length: bool,
 }
 
 impl HttpFilter {
@@ -156,6 +165,8 @@ impl HttpFilter {
             priority: None,
             affinity: None,
             cookie: None,
+            stored: None,
+            content_length: false,
         }
     }
 
@@ -176,6 +187,12 @@ impl HttpFilter {
                 self.affinity = read_affinity(h, &w, a, &headers);
                 if let Some(name) = &a.cookie {
                     self.cookie = Some(read_cookie(h, &w, a, name, &headers));
+                }
+                if a.response_ids {
+                    let path = headers::get_str(&headers, ":path").unwrap_or("");
+                    self.stored = response::id_in_path(path, &cfg.inference_paths)
+                        .and_then(|id| stored_replica(h, &w, a, id.as_bytes()));
+                    self.content_length = headers::get(&headers, "content-length").is_some();
                 }
             }
             let post = headers::get_str(&headers, ":method")
@@ -324,13 +341,30 @@ impl HttpFilter {
         let mut guard = worker.borrow_mut();
         let w = &mut *guard;
         let probes = self.cookie.as_ref().map(|c| c.jar.probes());
-        let (hashed, model) = hash_body(h, w, body, probes.as_deref());
+        let (hashed, header) = hash_body(h, w, body, probes.as_deref());
         let now = h.now_ms();
+        let responses = header.as_ref().and_then(|hd| hd.responses.as_ref());
+        let stored = self.stored.or_else(|| {
+            let a = w
+                .router
+                .config
+                .affinity
+                .as_ref()
+                .filter(|a| a.response_ids)?;
+            let id = responses?.previous.as_deref()?;
+            stored_replica(h, w, a, id.as_bytes())
+        });
         let meta = Meta {
-            model: model.as_deref(),
+            model: header.as_ref().map(|hd| hd.model.as_str()),
             sheddable: self.priority.as_deref().is_some_and(is_sheddable),
             // A token the client sent on purpose comes first.
             affinity: self.affinity.or(self.session_in_cookie(&hashed)),
+            stored,
+            // A first turn: a client that resends the whole conversation
+            // (stored or not) is found by its prefix as before.
+            session_start: stored.is_none()
+                && !hashed.later_turn
+                && self.names_response(w, responses),
         };
         let (choice, why) = match decide(h, w, &hashed, meta, now) {
             Ok(d) => d,
@@ -346,10 +380,17 @@ impl HttpFilter {
             // A valid token whose replica is gone, ineligible or overloaded.
             w.stats.affinity_rejected.inc(h);
         }
+        if meta.stored.is_some() && choice.reason != Reason::Stored {
+            // Its replica is gone or ineligible: no replica has it.
+            w.stats.responses_unknown.inc(h);
+        }
         let choice = apply_mode(h, w, choice, why.as_ref());
         let Some(ep) = write_destination(h, w, &choice) else {
             return true;
         };
+        if let (true, Some(body)) = (self.names_response(w, responses), body) {
+            self.name_response(h, w, ep.id(), body);
+        }
         let rec = w
             .router
             .commit(h.store(), &mut w.board, &choice, &hashed, now);
@@ -402,6 +443,47 @@ impl HttpFilter {
         // session by.
         c.anchor = hashed.end.filter(|_| !hashed.is_empty());
         replica
+    }
+
+    /// The request's response will be stored, and named by this filter.
+    fn names_response(&self, w: &Worker, responses: Option<&Responses>) -> bool {
+        let on = w
+            .router
+            .config
+            .affinity
+            .as_ref()
+            .is_some_and(|a| a.response_ids);
+        on && responses.is_some_and(|r| r.store && !r.named)
+    }
+
+    /// Name the stored response after the replica that will hold it (see
+    /// `affinity::response`). On any failure the body goes as it came:
+    /// the server names the response itself, as without the option.
+    fn name_response<H: Host>(&self, h: &H, w: &Worker, replica: ReplicaId, body: &[u8]) {
+        let Some(a) = w.router.config.affinity.as_ref().filter(|a| a.response_ids) else {
+            return;
+        };
+        // Unique per request: this VM's id and its request count.
+        let nonce = w.board.owner().rotate_left(32) ^ w.seq;
+        let id = response::mint(a.key.as_bytes(), replica, h.now_ms() / 1000, nonce);
+        let Some(renamed) = response::with_request_id(body, &id) else {
+            return;
+        };
+        // The length first: a body whose length says otherwise would reach
+        // the server cut or hang it.
+        let length = |n: usize| h.replace_header(Map::Request, "content-length", &n.to_string());
+        if self.content_length && length(renamed.len()).is_err() {
+            w.stats.header_write_errors.inc(h);
+            return;
+        }
+        if let Err(status) = h.replace_request_body(&renamed) {
+            log::warn!("prefix-router: could not name a stored response: status {status}");
+            if self.content_length && length(body.len()).is_err() {
+                w.stats.header_write_errors.inc(h);
+            }
+            return;
+        }
+        w.stats.responses_named.inc(h);
     }
 
     fn body_limit(&self) -> usize {
@@ -531,6 +613,19 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
 /// The client's affinity token, verified, and stripped from the request
 /// (the upstream has no use for it). A forged, expired or foreign token is
 /// counted and ignored, never followed.
+/// The replica a stored response's id names, if this filter's key minted
+/// it; else counted (another key, the server's own id, forged).
+fn stored_replica<H: Host>(h: &H, w: &Worker, a: &Affinity, id: &[u8]) -> Option<ReplicaId> {
+    match response::replica_of(a.key.as_bytes(), id) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            log::debug!("prefix-router: response id not followed: {e}");
+            w.stats.responses_unknown.inc(h);
+            None
+        }
+    }
+}
+
 fn read_affinity<H: Host>(h: &H, w: &Worker, a: &Affinity, headers: &Pairs) -> Option<ReplicaId> {
     let token = headers::get(headers, &a.header)?;
     let _ = h.remove_header(Map::Request, &a.header);
@@ -602,7 +697,7 @@ fn hash_body<H: Host>(
     w: &Worker,
     body: Option<&[u8]>,
     probes: Option<&[u32]>,
-) -> (Hashed, Option<String>) {
+) -> (Hashed, Option<Header>) {
     // An empty body is no body, however the stream ended: end of stream on
     // the headers, or an empty last data frame (HTTP/2, chunked). Only the
     // latter reached the parser and counted as a parse error.
@@ -611,7 +706,7 @@ fn hash_body<H: Host>(
     };
     // The whole prompt: its checkpoints reach its end (see `prefix`).
     match Hashed::parse_probing(b, &w.router.config, probes) {
-        Ok((header, hashed)) => (hashed, Some(header.model)),
+        Ok((header, hashed)) => (hashed, Some(header)),
         Err(e) => {
             // Debug level: a client sending junk must not flood logs.
             log::debug!("prefix-router: unparsable inference body: {e}");

@@ -151,6 +151,13 @@ pub struct Stats {
     pub replica_hot: Metric,
     pub affinity: Metric,
     pub affinity_rejected: Metric,
+    /// Follow-ups of a stored response sent to the replica holding it.
+    pub stored_response: Metric,
+    /// Stored responses named after their replica (`affinity.response_ids`).
+    pub responses_named: Metric,
+    /// Follow-ups whose response id no instance minted (another key, the
+    /// server's own, forged) or whose replica is gone or ineligible.
+    pub responses_unknown: Metric,
     pub no_prompt: Metric,
     pub parse_errors: Metric,
     pub body_too_large: Metric,
@@ -201,6 +208,9 @@ impl Stats {
             replica_hot: c("decision.replica_hot"),
             affinity: c("decision.affinity"),
             affinity_rejected: c("affinity.rejected"),
+            stored_response: c("decision.stored_response"),
+            responses_named: c("responses.named"),
+            responses_unknown: c("responses.unknown"),
             no_prompt: c("decision.no_prompt"),
             parse_errors: c("parse_errors"),
             body_too_large: c("body_too_large"),
@@ -234,6 +244,7 @@ impl Stats {
             Reason::NewPrefix => self.new_prefix,
             Reason::NewBranch => self.new_branch,
             Reason::Affinity => self.affinity,
+            Reason::Stored => self.stored_response,
             Reason::NoPrompt => self.no_prompt,
         }
     }

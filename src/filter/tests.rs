@@ -202,6 +202,14 @@ impl Host for Fake {
         Some(b.get(..max.min(b.len())).unwrap_or_default().to_vec())
     }
 
+    fn replace_request_body(&self, body: &[u8]) -> Result<(), u32> {
+        self.calls
+            .borrow_mut()
+            .push(format!("write body {}", body.len()));
+        *self.body.borrow_mut() = body.to_vec();
+        Ok(())
+    }
+
     fn send_local_response(
         &self,
         status: u32,
@@ -1005,4 +1013,171 @@ fn the_affinity_cookie_is_stripped_beside_a_cookie_that_is_not_utf8() {
     assert_eq!(cookie, vec![&b"theirs=\xe91"[..]]);
     assert_eq!(fake.stat("decision.affinity"), 1);
     drop(s);
+}
+
+/// One Responses API create on a fresh stream: its path, its
+/// `content-length`, the body.
+fn responses_post(fake: &Fake, w: &Rc<RefCell<Worker>>, body: &str) -> HttpFilter {
+    let len = body.len().to_string();
+    let headers = [
+        (":method", &b"POST"[..]),
+        (":path", b"/v1/responses"),
+        ("content-length", len.as_bytes()),
+    ];
+    fake.start(&headers, body.as_bytes());
+    let mut s = HttpFilter::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(fake, body.len(), true), Action::Continue);
+    s
+}
+
+/// The `request_id` the filter gave a body, if any.
+fn request_id(fake: &Fake) -> Option<String> {
+    let body = fake.body.borrow();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    v["request_id"].as_str().map(str::to_string)
+}
+
+const RESPONSES: &str = r#","inference_paths":["/v1/completions","/v1/responses"]"#;
+
+#[test]
+fn a_stored_response_is_named_for_its_replica_and_its_follow_ups_reach_it_from_any_instance() {
+    let extra = format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#);
+    // Two gateway instances: their own shared data, one key.
+    let (a, b) = (Fake::new(), Fake::new());
+    let (wa, wb) = (worker(&a, &extra), worker(&b, &extra));
+    let first = r#"{"model":"m","instructions":"Be brief.","input":"What is a KV cache?"}"#;
+    responses_post(&a, &wa, first);
+    let home = a.header(Map::Request, DEST).unwrap();
+    let id = request_id(&a).expect("named");
+    assert_eq!(
+        response::replica_of(AFFINITY_KEY.as_bytes(), id.as_bytes()),
+        Ok(id_of(&home))
+    );
+    // The rest of the body as it came, and a length that says so.
+    let sent = a.body.borrow().clone();
+    assert_eq!(
+        a.header(Map::Request, "content-length"),
+        Some(sent.len().to_string())
+    );
+    let mut v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+    v.as_object_mut().unwrap().remove("request_id");
+    assert_eq!(v, serde_json::from_str::<serde_json::Value>(first).unwrap());
+    assert_eq!(a.stat("responses.named"), 1);
+    // Instance B never saw it, and its own ranking would put the
+    // follow-up (a prompt it has never seen) by load: with the other
+    // replicas idle and the home busy, anywhere but home.
+    let mut held = Vec::new();
+    for i in 0..64 {
+        let mut s = post(&b, &wb, &[], &doc(100 + i));
+        if b.header(Map::Request, DEST).as_deref() == Some(home.as_str()) {
+            held.push(s);
+        } else {
+            s.on_log(&b);
+        }
+    }
+    assert_eq!(in_flight(&b), [(id_of(&home), held.len() as u32)].into());
+    assert!(held.len() >= 2, "{}", held.len());
+    for turn in 0..3 {
+        let next =
+            format!(r#"{{"model":"m","previous_response_id":"{id}","input":"And turn {turn}?"}}"#);
+        responses_post(&b, &wb, &next);
+        assert_eq!(
+            b.header(Map::Request, DEST),
+            Some(home.clone()),
+            "turn {turn}"
+        );
+    }
+    assert_eq!(b.stat("decision.stored_response"), 3);
+    assert_eq!(b.stat("responses.unknown"), 0);
+    // Each follow-up is stored too, under its own new name.
+    assert_eq!(b.stat("responses.named"), 3);
+    // Reading it back by its path goes there as well.
+    for path in [
+        format!("/v1/responses/{id}"),
+        format!("/v1/responses/{id}/cancel"),
+    ] {
+        b.start(&[(":method", b"GET"), (":path", path.as_bytes())], b"");
+        let mut s = HttpFilter::new(Some(wb.clone()));
+        assert_eq!(s.on_request_headers(&b, true), Action::Continue);
+        assert_eq!(b.header(Map::Request, DEST), Some(home.clone()), "{path}");
+    }
+    assert_eq!(b.stat("decision.stored_response"), 5);
+}
+
+#[test]
+fn responses_the_filter_did_not_name_are_left_alone_and_counted() {
+    let extra = format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#);
+    let fake = Fake::new();
+    let w = worker(&fake, &extra);
+    // Not stored, or named by the client: the body goes as it came.
+    for body in [
+        r#"{"model":"m","input":"hi","store":false}"#,
+        r#"{"model":"m","input":"hi","store":null}"#,
+        r#"{"model":"m","input":"hi","request_id":"mine"}"#,
+    ] {
+        responses_post(&fake, &w, body);
+        assert_eq!(*fake.body.borrow(), body.as_bytes(), "{body}");
+        assert!(!fake.calls().iter().any(|c| c.starts_with("write body")));
+    }
+    assert_eq!(fake.stat("responses.named"), 0);
+    // Ids the server made, another key minted, or a client forged: routed
+    // as any request, and counted.
+    let foreign = response::mint(b"another key, also 32 bytes long!", id_of(POOL[0]), 0, 1);
+    for id in ["resp_0123456789abcdef", foreign.as_str()] {
+        let body = format!(r#"{{"model":"m","previous_response_id":"{id}","input":"hi"}}"#);
+        responses_post(&fake, &w, &body);
+        assert!(fake.header(Map::Request, DEST).is_some());
+    }
+    assert_eq!(fake.stat("responses.unknown"), 2);
+    assert_eq!(fake.stat("decision.stored_response"), 0);
+    // Without the option nothing is renamed or followed.
+    let plain = worker(
+        &fake,
+        &format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}"}}"#),
+    );
+    let body = r#"{"model":"m","input":"hi"}"#;
+    responses_post(&fake, &plain, body);
+    assert_eq!(*fake.body.borrow(), body.as_bytes());
+}
+
+#[test]
+fn a_follow_up_whose_replica_left_the_pool_is_counted_and_routed() {
+    let extra = format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#);
+    let fake = Fake::new();
+    let w = worker(&fake, &extra);
+    let gone = response::mint(AFFINITY_KEY.as_bytes(), id_of("10.9.9.9:80"), 0, 1);
+    let body = format!(r#"{{"model":"m","previous_response_id":"{gone}","input":"hi"}}"#);
+    responses_post(&fake, &w, &body);
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    assert!(POOL.contains(&pick.as_str()), "{pick}");
+    assert_eq!(fake.stat("responses.unknown"), 1);
+    assert_eq!(fake.stat("decision.stored_response"), 0);
+}
+
+#[test]
+fn stored_sessions_below_one_preamble_spread_from_their_first_turn() {
+    // Every later turn follows the first by name, so where a first turn
+    // lands binds its session: short first questions below a shared
+    // preamble are spread by load, not left with the preamble's holder.
+    let homes = |response_ids: bool| {
+        let extra = format!(
+            r#"{RESPONSES},"gateways":3,"affinity":{{"key":"{AFFINITY_KEY}","response_ids":{response_ids}}}"#
+        );
+        let fake = Fake::new();
+        let w = worker(&fake, &extra);
+        let preamble = "You are a careful assistant. ".repeat(40);
+        let mut held = Vec::new();
+        let mut homes = std::collections::HashSet::new();
+        for c in 0..8 {
+            let body =
+                format!(r#"{{"model":"m","instructions":"{preamble}","input":"Session {c}?"}}"#);
+            held.push(responses_post(&fake, &w, &body));
+            homes.insert(fake.header(Map::Request, DEST).unwrap());
+        }
+        homes.len()
+    };
+    // The control: with the preamble's holder, or its one alternative.
+    assert!(homes(false) <= 2);
+    assert_eq!(homes(true), 4);
 }

@@ -36,6 +36,13 @@ extern "C" {
         return_value_size: *mut usize,
         return_cas: *mut u32,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
 }
 
 pub fn log(level: LogLevel, message: &str) {
@@ -76,6 +83,13 @@ pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Option<Vec<u8>>
     let status = unsafe { proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) };
     let buf = unsafe { take_host_buffer(data, size) };
     (status == OK).then_some(buf)
+}
+
+/// Replace a whole host buffer (Envoy replaces a buffered body only
+/// whole, or prepends or appends to it).
+pub fn set_whole_buffer(kind: BufferType, data: &[u8]) -> Result<(), u32> {
+    // SAFETY: pointer and length of a live slice; the host copies it.
+    check(unsafe { proxy_set_buffer_bytes(kind, 0, usize::MAX, data.as_ptr(), data.len()) })
 }
 
 /// A shared-data value and its CAS token; `(None, None)` when absent.

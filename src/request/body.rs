@@ -28,6 +28,12 @@ pub(super) struct Body<'a> {
     pub functions: Option<&'a [u8]>,
     pub instructions: Option<Text<'a>>,
     pub input: Option<InputField<'a>>,
+    /// The Responses API's stored response this one continues.
+    pub previous_response_id: Option<Cow<'a, str>>,
+    /// `store` is not `false` (the Responses API's default is to store).
+    pub store: bool,
+    /// The client named the request (`request_id`) itself.
+    pub request_id: bool,
 }
 
 /// A completions `prompt`: a string, strings, token ids, or batches of
@@ -96,7 +102,10 @@ pub(super) const STRUCTURED: u32 = 16;
 /// Reads a whole body.
 pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
     let mut r = Reader::with_budget(body, KEPT_UNITS);
-    let mut b = Body::default();
+    let mut b = Body {
+        store: true,
+        ..Body::default()
+    };
     r.object(|r, key| {
         match &*key.key(r.at())? {
             b"model" => b.model = nullable(r, name)?,
@@ -107,6 +116,10 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"functions" => b.functions = nullable(r, Reader::skip)?,
             b"instructions" => b.instructions = nullable(r, text)?,
             b"input" => b.input = nullable(r, input)?,
+            b"previous_response_id" => b.previous_response_id = nullable(r, name)?,
+            // vLLM stores on `true` only: `null` reads as not stored.
+            b"store" => b.store = !matches!(r.skip()?, b"false" | b"null"),
+            b"request_id" => b.request_id = !r.null()? && !r.skip()?.is_empty(),
             _ => {
                 r.skip()?;
             }

@@ -69,6 +69,19 @@ pub struct Header {
     /// Messages from there on: more than one for a conversation's or an
     /// agent session's later turns.
     pub own_messages: u32,
+    /// A Responses API body's stored-response facts (`None` for others).
+    pub responses: Option<Responses>,
+}
+
+/// What a Responses API body says of stored responses.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Responses {
+    /// The stored response it continues (`previous_response_id`).
+    pub previous: Option<String>,
+    /// Its own response is stored (`store` not false).
+    pub store: bool,
+    /// The client named the request itself (`request_id`).
+    pub named: bool,
 }
 
 /// Roles that open a prompt with what many requests share.
@@ -103,6 +116,7 @@ pub fn extract_into<S: Sink>(
         cache_salt: b.cache_salt.as_deref().map(salt),
         lead_bytes: 0,
         own_messages: 0,
+        responses: None,
     };
     let mut out = Render {
         sink: make(&header),
@@ -125,6 +139,11 @@ pub fn extract_into<S: Sink>(
         render_prompt(&mut out, p);
     } else if b.input.is_some() || b.instructions.is_some() {
         render_responses(&mut out, &b);
+        header.responses = Some(Responses {
+            previous: b.previous_response_id.as_deref().map(str::to_string),
+            store: b.store,
+            named: b.request_id,
+        });
     } else {
         return Err(ParseError::NoPrompt);
     }

@@ -146,6 +146,7 @@ mod tests {
             kv_usage: 0.0,
             lora: Default::default(),
             affinity: false,
+            stored: false,
             hit_rate,
             traffic: None,
             evicting: false,

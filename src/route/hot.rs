@@ -110,6 +110,7 @@ mod tests {
             kv_usage: 0.0,
             lora: Default::default(),
             affinity: false,
+            stored: false,
             hit_rate: None,
             traffic,
             evicting: false,

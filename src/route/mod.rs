@@ -44,6 +44,13 @@ pub struct Meta<'a> {
     pub sheddable: bool,
     /// The replica a verified affinity token names (see `affinity`).
     pub affinity: Option<ReplicaId>,
+    /// The replica holding the stored response the request continues
+    /// (see `affinity::response`).
+    pub stored: Option<ReplicaId>,
+    /// The first turn of a conversation the model server will store, and
+    /// every later turn will follow (`affinity.response_ids`): placed as
+    /// a new session below its preamble (see `score::Ask::session_start`).
+    pub session_start: bool,
 }
 
 /// A request the filter answers itself instead of routing.
@@ -375,15 +382,20 @@ impl Router {
         let blocks = hashed.blocks();
         let ask = score::Ask {
             blocks,
-            trunk: depth.trunk,
+            trunk: match meta.session_start {
+                true => depth.trunk.max(hashed.lead_blocks.min(blocks)),
+                false => depth.trunk,
+            },
             // No prompt, no key: ties would go to the same replica on
             // every worker and instance (1,000 GETs in a row, all to one of
-            // eight). The clock spreads them instead.
-            placement: match hashed.is_empty() {
+            // eight). The clock spreads them instead; and a stored session's
+            // first turn, which no other request needs to agree with.
+            placement: match hashed.is_empty() || meta.session_start {
                 true => xxhash_rust::xxh3::xxh3_64(&now_ms.to_le_bytes()),
                 false => depth.key,
             },
             later_turn: hashed.later_turn,
+            session_start: meta.session_start,
         };
         let ranked = score::rank_below(&cands, &ask, &self.params);
         let held = ranked
@@ -493,6 +505,7 @@ impl Router {
                     kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
                     lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
                     affinity: meta.affinity == Some(id),
+                    stored: meta.stored == Some(id),
                     evicting: false,
                     trust: 1.0,
                     hit_rate: row.and_then(|r| r.cache.hit_rate()),

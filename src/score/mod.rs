@@ -54,6 +54,9 @@ pub struct Candidate {
     pub lora: LoraFit,
     /// The client's verified affinity token names this replica.
     pub affinity: bool,
+    /// It holds the stored response the request continues (see
+    /// `affinity::response`): no other replica can serve it.
+    pub stored: bool,
     /// Its prefix cache's measured hit rate, when it reports one (see
     /// `route::evicting`).
     pub hit_rate: Option<f32>,
@@ -110,6 +113,8 @@ pub enum Reason {
     NewBranch,
     /// The client's session-affinity token named the replica.
     Affinity,
+    /// The replica holds the stored response the request continues.
+    Stored,
     /// No prompt to hash (no body, not an inference path, parse error).
     NoPrompt,
 }
@@ -122,6 +127,7 @@ impl Reason {
             Reason::NewPrefix => "new_prefix",
             Reason::NewBranch => "new_branch",
             Reason::Affinity => "affinity",
+            Reason::Stored => "stored_response",
             Reason::NoPrompt => "no_prompt",
         }
     }
@@ -212,6 +218,15 @@ pub struct Ask {
     /// whole session (the new replica holds its history deepest from now
     /// on), where a single question only copies its document.
     pub later_turn: bool,
+    /// The first turn of a session whose later turns follow it by name (a
+    /// stored Responses API response): they can go nowhere else, so where
+    /// it lands binds the whole session, and no later request needs to
+    /// find it by content. Placed as new content below its preamble, by
+    /// this instance's load and placements, as with one gateway: a first
+    /// question too short to count as new content stayed with the
+    /// preamble's holders, and every session with it (six of six on one
+    /// of four replicas, three instances).
+    pub session_start: bool,
 }
 
 /// `rank` for a request that brings new content below a shared trunk of
@@ -265,7 +280,7 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
     // through the scraped counts (`others`). Restricting that to the two
     // rendezvous candidates was tried: multi-turn, 3 instances, share
     // 1.45 against 1.09.
-    if p.agree() && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+    if p.agree() && !ask.session_start && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
         // Leaving the agreed replica costs another instance's copy of the
         // new content: worth it only for a bigger load difference.
         let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
@@ -288,6 +303,12 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
     if let Some(a) = token_holder(cands, &keeps, blocks, p) {
         to_front(&mut order, a);
         reason = Reason::Affinity;
+    }
+    // Whatever its load: anywhere else the server answers that the
+    // response doesn't exist.
+    if let Some(s) = cands.iter().position(|c| c.stored) {
+        to_front(&mut order, s);
+        reason = Reason::Stored;
     }
     Ranked {
         order,

@@ -29,6 +29,7 @@ fn cand(id: u64, matched: u32, requests: u32, work: u64) -> Candidate {
         kv_usage: 0.0,
         lora: LoraFit::NotApplicable,
         affinity: false,
+        stored: false,
         hit_rate: None,
         traffic: None,
         evicting: false,
@@ -241,6 +242,7 @@ fn new_content_goes_where_the_fewest_branches_went() {
         trunk: 624,
         placement,
         later_turn: false,
+        session_start: false,
     };
     for key in 0..100 {
         let r = rank_below(&c, &ask(key), &params());

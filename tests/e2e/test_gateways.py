@@ -261,3 +261,80 @@ def test_sessions_sharing_a_cookie_jar_each_keep_their_replica_across_instances(
         # The upstream never sees the cookie.
         seen = [r["headers"].get("cookie", "") for be in bs for r in be.requests]
         assert len(seen) == 24 and not any("pr=" in c for c in seen), seen
+
+
+def responses_conversations(gws, rng, conversations=6, turns=5):
+    """Responses API conversations, each later turn continuing the last by
+    `previous_response_id`, every turn (and a read-back of each stored
+    response) sent to a random instance; streamed and not, alternately.
+    What each conversation's turns got: (status, served by, response id)."""
+    out = defaultdict(list)
+    for c in range(conversations):
+        previous = None
+        for t in range(turns):
+            body = {
+                "model": "sim-model",
+                "instructions": "You are a careful assistant. " * 40,
+                "input": f"Conversation {c}, question {t}: what next?",
+                "max_output_tokens": 4,
+                "stream": t % 2 == 1,
+            }
+            if previous:
+                body["previous_response_id"] = previous
+            gw = rng.choice(gws)
+            status, headers, data = request(gw.port, path="/v1/responses", body=body)
+            rid = None
+            if status == 200:
+                text = data.decode()
+                if body["stream"]:
+                    done = [l for l in text.splitlines() if '"response.completed"' in l and l.startswith("data:")]
+                    rid = json.loads(done[-1][5:])["response"]["id"]
+                else:
+                    rid = json.loads(text)["id"]
+                previous = rid
+            out[c].append((status, headers.get("x-served-by"), rid))
+    return out
+
+
+def test_stored_responses_are_continued_on_their_replica_from_any_instance():
+    # vLLM keeps a stored response (Responses API, `store` by default) in
+    # its own memory: a follow-up by `previous_response_id` that reaches
+    # another replica is answered 404. With `response_ids` the filter names
+    # each response after its replica, and every instance reads it back.
+    from test_lora import SIM, replica_sim
+
+    assert SIM.exists(), "build replica-sim first (scripts/build)"
+    paths = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+    rng = random.Random(5)
+    with replica_sim(4) as pool:
+        for named in (True, False):
+            plugin = {
+                "gateways": 3,
+                "inference_paths": paths,
+                "affinity": {"key": KEY, "response_ids": named},
+            }
+            with contextlib.ExitStack() as stack:
+                gws = [stack.enter_context(filter_envoy(pool, plugin, concurrency=1)) for _ in range(3)]
+                turns = responses_conversations(gws, rng)
+                statuses = Counter(s for got in turns.values() for s, _, _ in got)
+                if not named:
+                    # Without it, follow-ups land where a new prompt would.
+                    # (5 and 12 of the 24 follow-ups in two runs.)
+                    assert statuses[404] >= 1, statuses
+                    continue
+                assert statuses == {200: 30}, statuses
+                for c, got in turns.items():
+                    assert len({by for _, by, _ in got}) == 1, (c, got)
+                    assert all(rid.startswith("resp_") and len(rid) == 77 for _, _, rid in got), got
+                # Sessions spread from their first turn (4 replicas in two
+                # runs; the control put 6 and 5 of 6 on one).
+                homes = Counter(got[0][1] for got in turns.values())
+                assert len(homes) >= 3, homes
+                # A stored response read back through any instance.
+                for c, got in turns.items():
+                    status, headers, _ = request(rng.choice(gws).port, method="GET", path=f"/v1/responses/{got[-1][2]}")
+                    assert (status, headers.get("x-served-by")) == (200, got[0][1]), c
+                total = lambda name: sum(gw.stat(f"prefix_router.{name}") for gw in gws)
+                assert total("responses.named") == 30
+                assert total("decision.stored_response") == 6 * 4 + 6
+                assert total("responses.unknown") == 0

@@ -1,0 +1,260 @@
+//! The Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), as
+//! vLLM serves it: a response with `store` (the default) is kept in this
+//! replica's memory, and a later request continues it by
+//! `previous_response_id`, its prompt the stored conversation plus the new
+//! input. Another replica doesn't have it and answers 404, as vLLM does.
+//! `request_id` names the response (vLLM's and SGLang's extra parameter).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use serde_json::{json, Value};
+
+use crate::engine::Usage;
+use crate::template::{self, Content, Message};
+
+/// One message of a stored conversation: role and text.
+pub type Turn = (String, String);
+
+/// A parsed `POST /v1/responses` body.
+pub struct Request {
+    pub model: Option<String>,
+    pub cache_salt: Option<String>,
+    pub instructions: Option<String>,
+    pub input: Vec<Turn>,
+    pub tools: Option<Value>,
+    pub max_output_tokens: Option<u32>,
+    pub stream: bool,
+    pub store: bool,
+    pub previous: Option<String>,
+    pub request_id: Option<String>,
+}
+
+pub fn parse(body: &[u8]) -> Result<Request, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+    let obj = v.as_object().ok_or("request body must be a JSON object")?;
+    let s = |k: &str| obj.get(k).and_then(Value::as_str).map(str::to_string);
+    let input = match obj.get("input") {
+        Some(Value::String(t)) => vec![("user".to_string(), t.clone())],
+        Some(Value::Array(items)) => items.iter().map(item).collect::<Result<_, _>>()?,
+        _ => return Err("input must be a string or an array of items".into()),
+    };
+    let max_output_tokens = match obj.get("max_output_tokens") {
+        None | Some(Value::Null) => None,
+        Some(n) => Some(
+            n.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or("max_output_tokens must be a non-negative integer")?,
+        ),
+    };
+    Ok(Request {
+        model: s("model"),
+        cache_salt: s("cache_salt"),
+        instructions: s("instructions"),
+        input,
+        tools: obj.get("tools").filter(|t| !t.is_null()).cloned(),
+        max_output_tokens,
+        stream: obj.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        // vLLM stores on `true` (the default) only.
+        store: obj.get("store").is_none_or(|v| v.as_bool() == Some(true)),
+        previous: s("previous_response_id"),
+        request_id: s("request_id"),
+    })
+}
+
+/// An input item as a turn: a message, a function call or its output.
+fn item(v: &Value) -> Result<Turn, String> {
+    let text = |v: Option<&Value>| match v {
+        Some(Value::String(t)) => t.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    };
+    if let Some(role) = v.get("role").and_then(Value::as_str) {
+        return Ok((role.to_string(), text(v.get("content"))));
+    }
+    match v.get("type").and_then(Value::as_str) {
+        Some("function_call") => Ok((
+            "assistant".into(),
+            format!(
+                "<tool_call>{} {}</tool_call>",
+                text(v.get("name")),
+                text(v.get("arguments"))
+            ),
+        )),
+        Some("function_call_output") => Ok(("tool".into(), text(v.get("output")))),
+        _ => Err("input items must be messages, function calls or their outputs".into()),
+    }
+}
+
+/// The prompt: this request's instructions, the stored conversation it
+/// continues, then its input.
+pub fn render(req: &Request, history: &[Turn]) -> String {
+    let system = req
+        .instructions
+        .iter()
+        .map(|i| ("system".to_string(), i.clone()));
+    let turns = system
+        .chain(history.iter().cloned())
+        .chain(req.input.iter().cloned());
+    let messages: Vec<Message> = turns
+        .map(|(role, text)| Message {
+            role,
+            content: Some(Content::Text(text)),
+            tool_calls: None,
+        })
+        .collect();
+    template::render(&messages, req.tools.as_ref(), true)
+}
+
+/// Stored conversations by response id, the oldest dropped past `cap`.
+pub struct Store {
+    inner: Mutex<Stored>,
+    cap: usize,
+}
+
+/// The conversations, and their ids oldest first.
+type Stored = (HashMap<String, Vec<Turn>>, VecDeque<String>);
+
+impl Store {
+    pub fn new(cap: usize) -> Store {
+        Store {
+            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            cap,
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Vec<Turn>> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.0.get(id).cloned()
+    }
+
+    pub fn put(&self, id: String, turns: Vec<Turn>) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *g;
+        if map.insert(id.clone(), turns).is_none() {
+            order.push_back(id);
+        }
+        while order.len() > self.cap {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+}
+
+/// What every body of one response shares.
+pub struct Meta {
+    pub id: String,
+    pub model: String,
+    pub created: u64,
+    pub previous: Option<String>,
+    pub store: bool,
+}
+
+impl Meta {
+    /// The response object: in progress (no output yet) or completed.
+    pub fn object(&self, done: Option<(&str, &Usage)>) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": if done.is_some() { "completed" } else { "in_progress" },
+            "output": [],
+            "previous_response_id": self.previous,
+            "store": self.store,
+            "usage": null,
+        });
+        if let Some((text, u)) = done {
+            v["output"] = json!([{
+                "type": "message",
+                "id": format!("msg_{}", self.id.trim_start_matches("resp_")),
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }]);
+            v["usage"] = json!({
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            });
+        }
+        v
+    }
+
+    /// One server-sent event, named by its type.
+    pub fn event(kind: &str, seq: u64, mut data: Value) -> String {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(seq);
+        format!("event: {kind}\ndata: {data}\n\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_shapes_become_turns() {
+        let r = parse(
+            br#"{"model":"m","instructions":"Be brief.","input":[
+                {"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]},
+                {"type":"function_call","name":"f","arguments":"{}","call_id":"c"},
+                {"type":"function_call_output","call_id":"c","output":"42"}
+            ],"store":false,"previous_response_id":"resp_1","request_id":"resp_2"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.input,
+            [
+                ("user".into(), "a\nb".into()),
+                ("assistant".into(), "<tool_call>f {}</tool_call>".into()),
+                ("tool".into(), "42".into())
+            ]
+        );
+        assert!(!r.store);
+        assert_eq!(r.previous.as_deref(), Some("resp_1"));
+        assert_eq!(r.request_id.as_deref(), Some("resp_2"));
+        assert!(parse(br#"{"input":"x"}"#).unwrap().store);
+        assert!(!parse(br#"{"input":"x","store":null}"#).unwrap().store);
+        for bad in [
+            &b"[]"[..],
+            br#"{"model":"m"}"#,
+            br#"{"input":[{"type":"x"}]}"#,
+            b"{",
+        ] {
+            assert!(parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn a_continued_prompt_starts_with_the_stored_one() {
+        let first = parse(br#"{"instructions":"S","input":"a"}"#).unwrap();
+        let next = parse(br#"{"instructions":"S","input":"c"}"#).unwrap();
+        let stored = [
+            ("user".to_string(), "a".to_string()),
+            ("assistant".into(), "b".into()),
+        ];
+        let p1 = render(&first, &[]);
+        let p2 = render(&next, &stored);
+        assert!(p2.starts_with(&p1), "{p1:?} {p2:?}");
+    }
+
+    #[test]
+    fn the_store_keeps_the_newest() {
+        let s = Store::new(2);
+        for id in ["a", "b", "c"] {
+            s.put(id.into(), vec![("user".into(), id.into())]);
+        }
+        assert_eq!(s.get("a"), None);
+        assert_eq!(s.get("c"), Some(vec![("user".into(), "c".into())]));
+    }
+}
