@@ -21,6 +21,11 @@ them; each cell is the median of `--reps` runs; proxy CPU comes from
 `--cookie` adds `prefix-router-cookie`: the same module with session
 affinity in a cookie (`affinity.cookie`), whose load client keeps the
 cookie and sends it back as a client's jar does.
+
+`--shapes responses` posts the chat document as a Responses API request to
+`/v1/responses` (every prefix-router reads that path); `--responses` adds
+`prefix-router-named`: the same module naming each stored response after
+its replica (`affinity.response_ids`: the body copied and rewritten).
 """
 from __future__ import annotations
 
@@ -86,8 +91,11 @@ def proxy(kind: str, backend: str):
         return
     if kind in MODULES:
         # Scraping off: the echo backend has no metrics page.
+        # Every prefix-router reads the Responses API path too (a chat or
+        # agent body never goes there).
+        paths = {"inference_paths": ["/v1/completions", "/v1/chat/completions", "/v1/responses"]}
         cfg = harness.render_config(
-            "override_host", {"endpoints": [backend], **PLUGINS.get(kind, {})}, [backend],
+            "override_host", {"endpoints": [backend], **paths, **PLUGINS.get(kind, {})}, [backend],
             harness.free_port(), harness.free_port(), wasm_path=MODULES[kind],
         )
         with harness.Envoy(cfg, concurrency=WORKERS) as env:
@@ -104,8 +112,9 @@ def proxy(kind: str, backend: str):
 
 def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat",
              cookie: str = "") -> dict:
+    path = "/v1/responses" if shape == "responses" else "/v1/chat/completions"
     out = subprocess.run(
-        [str(TOOL), "load", "--target", f"http://{target}/v1/chat/completions",
+        [str(TOOL), "load", "--target", f"http://{target}{path}",
          "--concurrency", str(concurrency), "--body-bytes", str(size), "--seconds", str(seconds),
          "--reconnect-every", "50", "--shape", shape, "--cookie", cookie],
         capture_output=True, text=True, timeout=seconds + 60, check=True,
@@ -120,7 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="16384,262144")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--shapes", default="chat",
-                    help="request bodies: chat (one plain document), agent (tools, tool calls, JSON results)")
+                    help="request bodies: chat (one plain document), agent (tools, tool calls, JSON results), "
+                         "responses (the chat document as a Responses API request)")
     ap.add_argument("--routers", default="direct,round-robin,body-floor,prefix-router,sglang-router")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--wasm", type=Path, default=harness.WASM, help="the prefix-router module to measure")
@@ -131,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="Envoy's --concurrency (worker threads)")
     ap.add_argument("--cookie", action="store_true",
                     help="also measure prefix-router-cookie: session affinity in a cookie, sent back")
+    ap.add_argument("--responses", action="store_true",
+                    help="also measure prefix-router-named: stored responses named after their replica")
     a = ap.parse_args(argv)
     global WORKERS
     WORKERS = a.workers
@@ -144,6 +156,10 @@ def main(argv=None) -> int:
         PLUGINS["prefix-router-cookie"] = {"affinity": {
             "key": "bench-overhead-affinity-key-0123456789", "cookie": "prefix-router"}}
         COOKIES["prefix-router-cookie"] = "prefix-router"
+    if a.responses:
+        extra["prefix-router-named"] = a.wasm
+        PLUGINS["prefix-router-named"] = {"affinity": {
+            "key": "bench-overhead-affinity-key-0123456789", "response_ids": True}}
     for name, path in extra.items():
         MODULES[name] = Path(path)
         if name not in a.routers.split(","):

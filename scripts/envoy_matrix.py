@@ -86,6 +86,9 @@ CHECKS: list[tuple[str, list[str]]] = [
         f"{E2E}/test_deploy.py::test_production_config_routes_and_serves_only_metrics_on_its_metrics_port",
         f"{E2E}/test_deploy.py::test_production_config_retries_on_the_fallback_replica",
     ]),
+    ("body rewrite (stored responses)", [
+        f"{E2E}/test_gateways.py::test_a_long_stored_request_is_renamed_whole_with_its_length",
+    ]),
     ("Istio bootstrap", [
         f"{E2E}/test_deploy.py::test_istio_fragments_validate_in_envoy",
         f"{E2E}/test_deploy.py::test_istio_assembly_fetches_the_module_discovers_the_pool_and_routes",

@@ -163,6 +163,8 @@ class Backend:
                             "headers": {k.lower(): v for k, v in self.headers.items()},
                             "dest": self.headers.get_all(HEADER) or [],
                             "body_len": len(body),
+                            # Its ends, for tests of a body the filter rewrote.
+                            "body_ends": (body[:128], body[-64:]),
                         }
                     )
                 delay = backend.delay_s + int(self.headers.get("x-test-delay-ms") or 0) / 1000

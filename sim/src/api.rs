@@ -226,10 +226,10 @@ async fn responses(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answe
     };
     let (job, mut rx) = submit(&r, &headers, prepared).await?;
     let meta = responses::Meta {
-        id: req.request_id.clone().unwrap_or_else(|| {
-            let n = job.meta.id.rsplit('-').next().unwrap_or("0");
-            format!("resp_{}{n:0>8}", r.port)
-        }),
+        id: req
+            .request_id
+            .clone()
+            .unwrap_or_else(|| responses::fresh_id(&job.meta.id)),
         model: job.meta.model.clone(),
         created: job.meta.created,
         previous: req.previous.clone(),

@@ -14,8 +14,9 @@ use crate::metrics_fault::MetricsFault;
 use crate::preset::EngineConfig;
 use crate::responses::Store;
 
-/// Stored responses a replica keeps; the oldest go first.
+/// Stored responses a replica keeps, and their text; the oldest go first.
 const STORED_RESPONSES: usize = 65_536;
+const STORED_BYTES: usize = 64 << 20;
 
 /// Settings shared by all replicas of the process.
 #[derive(Clone)]
@@ -85,7 +86,7 @@ impl Replica {
             fault: watch::Sender::new(initial),
             metrics_fault: watch::Sender::new(metrics_fault),
             next_id: AtomicU64::new(0),
-            responses: Store::new(STORED_RESPONSES),
+            responses: Store::new(STORED_RESPONSES, STORED_BYTES),
         })
     }
 

@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
@@ -92,6 +93,19 @@ fn item(v: &Value) -> Result<Turn, String> {
     }
 }
 
+/// A response id no other replica or process hands out, as vLLM's random
+/// uuid: replicas of different hosts share ports, so a follow-up sent to
+/// the wrong one must not find a response of the same name there.
+pub fn fresh_id(request: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let pid = u64::from(std::process::id());
+    let a = crate::hash::mix(crate::hash::hash_str(request) ^ nanos);
+    let b = crate::hash::mix(a ^ pid.rotate_left(32) ^ nanos.rotate_left(17));
+    format!("resp_{a:016x}{b:016x}")
+}
+
 /// The prompt: this request's instructions, the stored conversation it
 /// continues, then its input.
 pub fn render(req: &Request, history: &[Turn]) -> String {
@@ -112,37 +126,54 @@ pub fn render(req: &Request, history: &[Turn]) -> String {
     template::render(&messages, req.tools.as_ref(), true)
 }
 
-/// Stored conversations by response id, the oldest dropped past `cap`.
+/// Stored conversations by response id, the oldest dropped past `cap`
+/// conversations or `cap_bytes` of text (each holds its whole history, so
+/// a long chain stores its turns over and over).
 pub struct Store {
     inner: Mutex<Stored>,
     cap: usize,
+    cap_bytes: usize,
 }
 
-/// The conversations, and their ids oldest first.
-type Stored = (HashMap<String, Vec<Turn>>, VecDeque<String>);
+#[derive(Default)]
+struct Stored {
+    by_id: HashMap<String, Vec<Turn>>,
+    /// Ids, oldest first.
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+fn size(turns: &[Turn]) -> usize {
+    turns.iter().map(|(r, t)| r.len() + t.len()).sum()
+}
 
 impl Store {
-    pub fn new(cap: usize) -> Store {
+    pub fn new(cap: usize, cap_bytes: usize) -> Store {
         Store {
-            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            inner: Mutex::new(Stored::default()),
             cap,
+            cap_bytes,
         }
     }
 
     pub fn get(&self, id: &str) -> Option<Vec<Turn>> {
         let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.get(id).cloned()
+        g.by_id.get(id).cloned()
     }
 
     pub fn put(&self, id: String, turns: Vec<Turn>) {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *g;
-        if map.insert(id.clone(), turns).is_none() {
-            order.push_back(id);
+        g.bytes += size(&turns);
+        match g.by_id.insert(id.clone(), turns) {
+            Some(old) => g.bytes -= size(&old),
+            None => g.order.push_back(id),
         }
-        while order.len() > self.cap {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
+        while g.order.len() > self.cap || (g.bytes > self.cap_bytes && g.order.len() > 1) {
+            let Some(old) = g.order.pop_front() else {
+                break;
+            };
+            if let Some(t) = g.by_id.remove(&old) {
+                g.bytes -= size(&t);
             }
         }
     }
@@ -249,12 +280,34 @@ mod tests {
     }
 
     #[test]
-    fn the_store_keeps_the_newest() {
-        let s = Store::new(2);
+    fn the_store_keeps_the_newest_within_its_count_and_bytes() {
+        let s = Store::new(2, 1 << 20);
         for id in ["a", "b", "c"] {
             s.put(id.into(), vec![("user".into(), id.into())]);
         }
         assert_eq!(s.get("a"), None);
         assert_eq!(s.get("c"), Some(vec![("user".into(), "c".into())]));
+        // A chain of long turns: the oldest go once the text passes the cap.
+        let s = Store::new(100, 1000);
+        let mut turns = Vec::new();
+        for n in 0..10 {
+            turns.push(("user".to_string(), "x".repeat(100)));
+            s.put(format!("r{n}"), turns.clone());
+        }
+        assert_eq!(s.get("r9").map(|t| t.len()), Some(10));
+        assert_eq!(s.get("r8"), None, "r9 alone is 1,040 bytes");
+        let g = s.inner.lock().unwrap();
+        assert_eq!(g.bytes, size(&turns));
+    }
+
+    #[test]
+    fn ids_the_server_makes_differ() {
+        // Each request of a replica is named apart (its own counter), and
+        // two processes or hosts apart by the clock and process id.
+        let ids: std::collections::HashSet<String> = (0..1000)
+            .map(|n| fresh_id(&format!("chatcmpl-8000-{n}")))
+            .collect();
+        assert_eq!(ids.len(), 1000);
+        assert!(ids.iter().all(|i| i.starts_with("resp_") && i.len() == 37));
     }
 }

@@ -62,6 +62,14 @@ pub fn with_request_id(body: &[u8], id: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// The path creates a response: it is one of the Responses API paths
+/// among `bases` (those ending in `/responses`), query aside. Other
+/// inference paths take `input` too (embeddings, pooling).
+pub fn creates(path: &str, bases: &[String]) -> bool {
+    let path = path.split('?').next().unwrap_or("");
+    bases.iter().any(|b| b.ends_with("/responses") && b == path)
+}
+
 /// The response id in a path under a Responses API path (`bases`, each
 /// ending in `/responses`): `/v1/responses/{id}`, its `/cancel` or
 /// `/input_items`, with any query string.
@@ -142,5 +150,10 @@ mod tests {
         assert_eq!(id_in_path("/v1/responses/", &bases), None);
         assert_eq!(id_in_path("/v1/responsesX/a", &bases), None);
         assert_eq!(id_in_path("/v1/chat/completions/a", &bases), None);
+        assert!(creates("/v1/responses", &bases));
+        assert!(creates("/v1/responses?x=1", &bases));
+        assert!(!creates("/v1/responses/resp_ab", &bases));
+        assert!(!creates("/v1/chat/completions", &bases));
+        assert!(!creates("/v1/embeddings", &["/v1/embeddings".to_string()]));
     }
 }

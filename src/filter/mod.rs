@@ -68,8 +68,9 @@ pub trait Host: Metrics {
     /// Up to `max` bytes of the buffered request body; `None` when the
     /// host has none to give.
     fn request_body(&self, max: usize) -> Option<Vec<u8>>;
-    /// Replace the whole buffered request body (before it goes upstream).
-    fn replace_request_body(&self, body: &[u8]) -> Result<(), u32>;
+    /// Replace the whole buffered request body, `len` bytes (before it
+    /// goes upstream).
+    fn replace_request_body(&self, len: usize, body: &[u8]) -> Result<(), u32>;
     /// Answer the request from the filter instead of forwarding it.
     fn send_local_response(
         &self,
@@ -150,6 +151,9 @@ pub struct HttpFilter {
     /// The request came with a `content-length`, which a renamed body's
     /// must replace.
     content_length: bool,
+    /// Its path creates a Responses API response (with
+    /// `affinity.response_ids`): only such bodies are named or pinned.
+    creates_response: bool,
 }
 
 impl HttpFilter {
@@ -167,6 +171,7 @@ impl HttpFilter {
             cookie: None,
             stored: None,
             content_length: false,
+            creates_response: false,
         }
     }
 
@@ -193,6 +198,7 @@ impl HttpFilter {
                     self.stored = response::id_in_path(path, &cfg.inference_paths)
                         .and_then(|id| stored_replica(h, &w, a, id.as_bytes()));
                     self.content_length = headers::get(&headers, "content-length").is_some();
+                    self.creates_response = response::creates(path, &cfg.inference_paths);
                 }
             }
             let post = headers::get_str(&headers, ":method")
@@ -343,7 +349,11 @@ impl HttpFilter {
         let probes = self.cookie.as_ref().map(|c| c.jar.probes());
         let (hashed, header) = hash_body(h, w, body, probes.as_deref());
         let now = h.now_ms();
-        let responses = header.as_ref().and_then(|hd| hd.responses.as_ref());
+        // A Responses API body on its own path only: embeddings and
+        // pooling take `input` too.
+        let responses = (header.as_ref())
+            .and_then(|hd| hd.responses.as_ref())
+            .filter(|_| self.creates_response);
         let stored = self.stored.or_else(|| {
             let a = w
                 .router
@@ -446,14 +456,11 @@ impl HttpFilter {
     }
 
     /// The request's response will be stored, and named by this filter.
+    /// Not in shadow mode, which promises requests go as before.
     fn names_response(&self, w: &Worker, responses: Option<&Responses>) -> bool {
-        let on = w
-            .router
-            .config
-            .affinity
-            .as_ref()
-            .is_some_and(|a| a.response_ids);
-        on && responses.is_some_and(|r| r.store && !r.named)
+        let cfg = &w.router.config;
+        let on = cfg.affinity.as_ref().is_some_and(|a| a.response_ids);
+        on && cfg.mode == Mode::Route && responses.is_some_and(|r| r.store && !r.named)
     }
 
     /// Name the stored response after the replica that will hold it (see
@@ -476,7 +483,7 @@ impl HttpFilter {
             w.stats.header_write_errors.inc(h);
             return;
         }
-        if let Err(status) = h.replace_request_body(&renamed) {
+        if let Err(status) = h.replace_request_body(body.len(), &renamed) {
             log::warn!("prefix-router: could not name a stored response: status {status}");
             if self.content_length && length(body.len()).is_err() {
                 w.stats.header_write_errors.inc(h);

@@ -202,7 +202,8 @@ impl Host for Fake {
         Some(b.get(..max.min(b.len())).unwrap_or_default().to_vec())
     }
 
-    fn replace_request_body(&self, body: &[u8]) -> Result<(), u32> {
+    fn replace_request_body(&self, len: usize, body: &[u8]) -> Result<(), u32> {
+        assert_eq!(len, self.body.borrow().len(), "the whole body");
         self.calls
             .borrow_mut()
             .push(format!("write body {}", body.len()));
@@ -1131,6 +1132,30 @@ fn responses_the_filter_did_not_name_are_left_alone_and_counted() {
     }
     assert_eq!(fake.stat("responses.unknown"), 2);
     assert_eq!(fake.stat("decision.stored_response"), 0);
+    // An id of the wrong type is the server's to refuse: the prompt still
+    // routes by its prefix.
+    responses_post(
+        &fake,
+        &w,
+        r#"{"model":"m","previous_response_id":7,"input":"hi"}"#,
+    );
+    assert_eq!(fake.stat("parse_errors"), 0);
+    // Other paths take `input` too (embeddings): never renamed.
+    let embed = format!(
+        r#","inference_paths":["/v1/responses","/v1/embeddings"],"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#
+    );
+    let we = worker(&fake, &embed);
+    let named = fake.stat("responses.named");
+    let body = r#"{"model":"m","input":"Embed this sentence, please."}"#;
+    fake.start(
+        &[(":method", b"POST"), (":path", b"/v1/embeddings")],
+        body.as_bytes(),
+    );
+    let mut s = HttpFilter::new(Some(we));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Continue);
+    assert_eq!(*fake.body.borrow(), body.as_bytes());
+    assert_eq!(fake.stat("responses.named"), named);
     // Without the option nothing is renamed or followed.
     let plain = worker(
         &fake,

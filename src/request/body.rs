@@ -116,7 +116,7 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"functions" => b.functions = nullable(r, Reader::skip)?,
             b"instructions" => b.instructions = nullable(r, text)?,
             b"input" => b.input = nullable(r, input)?,
-            b"previous_response_id" => b.previous_response_id = nullable(r, name)?,
+            b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
             // vLLM stores on `true` only: `null` reads as not stored.
             b"store" => b.store = !matches!(r.skip()?, b"false" | b"null"),
             b"request_id" => b.request_id = !r.null()? && !r.skip()?.is_empty(),
@@ -160,6 +160,16 @@ fn list<'a, T>(
 fn name<'a>(r: &mut Reader<'a>) -> Result<Cow<'a, str>, JsonError> {
     let at = r.at();
     r.string()?.name(at)
+}
+
+/// A string's decoded value; any other value is skipped as absent (a field
+/// routing only follows: its wrong type is the server's to refuse).
+fn lenient_name<'a>(r: &mut Reader<'a>) -> Result<Option<Cow<'a, str>>, JsonError> {
+    let at = r.at();
+    match r.string() {
+        Ok(s) => Ok(s.name(at).ok()),
+        Err(_) => r.skip().map(|_| None),
+    }
 }
 
 fn text<'a>(r: &mut Reader<'a>) -> Result<Text<'a>, JsonError> {

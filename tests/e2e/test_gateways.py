@@ -338,3 +338,22 @@ def test_stored_responses_are_continued_on_their_replica_from_any_instance():
                 assert total("responses.named") == 30
                 assert total("decision.stored_response") == 6 * 4 + 6
                 assert total("responses.unknown") == 0
+
+
+def test_a_long_stored_request_is_renamed_whole_with_its_length():
+    # A 300 KB body reaches the filter in many chunks; the renamed body the
+    # upstream gets is all of it, behind the new first member, with a
+    # content-length that says so.
+    plugin = {"inference_paths": ["/v1/responses"], "affinity": {"key": KEY, "response_ids": True}}
+    with backends(2) as bs, filter_envoy([b.addr for b in bs], plugin) as gw:
+        body = json.dumps({"model": "m", "instructions": "Be brief.", "input": "word " * 60_000}).encode()
+        status, _, _ = request(gw.port, path="/v1/responses", body=body)
+        assert status == 200
+        (got,) = [r for b in bs for r in b.requests]
+        head, tail = got["body_ends"]
+        first = len(b'{"request_id":"",') + 77
+        assert head.startswith(b'{"request_id":"resp_') and head[first:] == body[1 : 129 - first], head
+        assert tail == body[-64:]
+        assert got["body_len"] == len(body) + len(b'"request_id":"",') + 77
+        assert got["headers"]["content-length"] == str(got["body_len"])
+        assert gw.stat("prefix_router.responses.named") == 1

@@ -4,11 +4,12 @@
 //!   request with a tiny completion, no model, no delay), so what is measured
 //!   is the proxy in between;
 //! - `overhead load --target URL --concurrency C --body-bytes N --seconds S
-//!   [--shape chat|agent]`: closed loop, keep-alive, fixed-size chat bodies
-//!   over 64 distinct documents (`chat`: one plain-text document; `agent`:
-//!   an agent's turn, tools + tool calls + JSON tool results full of
-//!   escapes); prints one JSON line: requests, errors, req/s, latency
-//!   percentiles in microseconds.
+//!   [--shape chat|agent|responses]`: closed loop, keep-alive, fixed-size
+//!   bodies over 64 distinct documents (`chat`: one plain-text document;
+//!   `agent`: an agent's turn, tools + tool calls + JSON tool results full
+//!   of escapes; `responses`: the chat body as a Responses API request, for
+//!   `/v1/responses`); prints one JSON line: requests, errors, req/s,
+//!   latency percentiles in microseconds.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -71,6 +72,9 @@ enum Shape {
     /// An agent's turn: about 20 KB of tool definitions, then tool calls
     /// and their results (JSON text: an escaped quote every few bytes).
     Agent,
+    /// The chat body's document as a Responses API request
+    /// (`instructions`, `input`), stored by default.
+    Responses,
 }
 
 const ANSWER: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
@@ -108,6 +112,7 @@ fn bodies(bytes: usize, shape: Shape) -> Vec<Bytes> {
         .map(|d| match shape {
             Shape::Chat => chat_body(d, bytes),
             Shape::Agent => agent_body(d, bytes),
+            Shape::Responses => responses_body(d, bytes),
         })
         .collect()
 }
@@ -120,6 +125,17 @@ fn chat_body(d: usize, bytes: usize) -> Bytes {
         .collect();
     Bytes::from(format!(
         r#"{{"model":"m","messages":[{{"role":"system","content":"Answer from the document."}},{{"role":"user","content":"{doc} Question?"}}],"max_tokens":1}}"#
+    ))
+}
+
+fn responses_body(d: usize, bytes: usize) -> Bytes {
+    let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
+        .chars()
+        .cycle()
+        .take(bytes.saturating_sub(200))
+        .collect();
+    Bytes::from(format!(
+        r#"{{"model":"m","instructions":"Answer from the document.","input":"{doc} Question?","max_output_tokens":1}}"#
     ))
 }
 
