@@ -117,23 +117,24 @@ fn bodies(bytes: usize, shape: Shape) -> Vec<Bytes> {
         .collect()
 }
 
-fn chat_body(d: usize, bytes: usize) -> Bytes {
-    let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
+/// Document `d`'s text, for a body of about `bytes` bytes.
+fn document(d: usize, bytes: usize) -> String {
+    format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
         .chars()
         .cycle()
         .take(bytes.saturating_sub(200))
-        .collect();
+        .collect()
+}
+
+fn chat_body(d: usize, bytes: usize) -> Bytes {
+    let doc = document(d, bytes);
     Bytes::from(format!(
         r#"{{"model":"m","messages":[{{"role":"system","content":"Answer from the document."}},{{"role":"user","content":"{doc} Question?"}}],"max_tokens":1}}"#
     ))
 }
 
 fn responses_body(d: usize, bytes: usize) -> Bytes {
-    let doc: String = format!("Document {d}: the quick brown fox jumps over the lazy dog. ")
-        .chars()
-        .cycle()
-        .take(bytes.saturating_sub(200))
-        .collect();
+    let doc = document(d, bytes);
     Bytes::from(format!(
         r#"{{"model":"m","instructions":"Answer from the document.","input":"{doc} Question?","max_output_tokens":1}}"#
     ))
