@@ -627,6 +627,7 @@ def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
            "--seed", str(a.seed), "--replicas", str(len(sim.addrs)), "--tokenize", sim.addrs[0],
            "--session-header", SESSION_HEADER, "--max-duration", str(a.max_run_seconds),
            *(["--affinity-header", AFFINITY_HEADER] if a.affinity else []),
+           *(["--prompt-cache-key"] if a.prompt_cache_key else []),
            *(["--affinity-cookie", AFFINITY_COOKIE, "--cookie-jars", a.affinity_cookie]
              if a.affinity_cookie else []),
            "--drain", str(a.drain_seconds), "--out", str(out), *prof["load"]]
@@ -794,6 +795,9 @@ def parser() -> argparse.ArgumentParser:
                          "shared (the default): one cookie jar for every request of the run, as one SDK "
                          "client shared by every conversation and session keeps it; clients_echo off. "
                          "session: a jar per conversation or session (a client each); clients_echo on")
+    ap.add_argument("--prompt-cache-key", action="store_true",
+                    help="conversations and agent sessions send their id as prompt_cache_key "
+                         "(OpenAI's routing hint, as coding agents send it)")
     ap.add_argument("--replica-change", choices=("remove", "add"), default=None,
                     help="prefix-router runs only: one replica leaves (its /metrics starts failing) or "
                          "joins (starts failing, then recovers) --change-after real seconds into the run; "

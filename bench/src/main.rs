@@ -87,6 +87,10 @@ struct Cli {
     /// (`session`: a client per session).
     #[arg(long, value_enum, default_value_t = Jars::Shared)]
     cookie_jars: Jars,
+    /// Conversations and agent sessions send their id as
+    /// `prompt_cache_key`, as coding agents do (OpenAI's routing hint).
+    #[arg(long)]
+    prompt_cache_key: bool,
     /// Send each request to a target picked at random (seeded), not by
     /// client or in turn: what a cloud load balancer in front of several
     /// gateway instances does to a conversation's turns.
@@ -585,6 +589,7 @@ async fn run_conversations(
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     let (scale, model, max_tokens) = (cli.time_scale, cli.model.clone(), cli.max_tokens);
+    let cache_key = cli.prompt_cache_key;
     for (c, conv) in convs.into_iter().enumerate() {
         let (run, model) = (run.clone(), model.clone());
         tasks.spawn(async move {
@@ -601,7 +606,10 @@ async fn run_conversations(
                     break;
                 }
                 messages.push(json!({"role": "user", "content": user}));
-                let body = workload::chat(&model, messages.clone(), max_tokens);
+                let mut body = workload::chat(&model, messages.clone(), max_tokens);
+                if cache_key {
+                    body["prompt_cache_key"] = json!(conv.key);
+                }
                 let out = run
                     .request(
                         c,
@@ -630,6 +638,7 @@ async fn run_conversations(
 async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_deadline: TInstant) {
     let mut tasks = tokio::task::JoinSet::new();
     let (scale, model, max_tokens) = (cli.time_scale, cli.model.clone(), cli.max_tokens);
+    let cache_key = cli.prompt_cache_key;
     for (c, session) in sessions.into_iter().enumerate() {
         let (run, model) = (run.clone(), model.clone());
         tasks.spawn(async move {
@@ -644,7 +653,10 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
                     run.unsent(c, &session.key, t..total, "the run's send deadline passed");
                     break;
                 }
-                let body = session.body(t, &model, max_tokens);
+                let mut body = session.body(t, &model, max_tokens);
+                if cache_key {
+                    body["prompt_cache_key"] = json!(session.key);
+                }
                 let out = run
                     .request(
                         c,

@@ -50,6 +50,19 @@ use crate::endpoint::ReplicaId;
 /// what evens them out: seeds 1-4 (draws 3S210), hit rate 95.3, 94.1,
 /// 93.4, 94.8 against 94.4, 93.9, 92.2, 94.7, TTFT p95 390, 803, 976, 396
 /// against 711, 841, 981, 554. Not landed either.
+///
+/// Keying a session by the name its client gives it (`prompt_cache_key`,
+/// which coding agents send: the same on every turn and every instance),
+/// its first turn placed as all new content and its later turns' agreed
+/// homes keyed by it, was tried (2026-12-07; 3 instances, the bench's
+/// `--prompt-cache-key` sending each conversation's or session's id; hit
+/// rate / TTFT p95 / share, without the key then with it): agentic seed 1
+/// 93.0 / 1,941 / 1.26 against 90.9 / 9,397 / 2.13, seed 2 87.4 / 12,501
+/// / 2.53 against 93.8 / 2,249 / 1.67; multi-turn seed 1 86.6 / 642 /
+/// 1.45 against 85.3 / 691 / 2.47, seed 2 86.7 / 665 / 1.82 against 84.9
+/// / 692 / 1.42. The names deal out as lumpily as content keys (seven of
+/// eleven conversations on one replica), and a first turn that went to
+/// the second candidate moved at its second turn. Not landed.
 pub(super) fn two_choices(
     by_hash: &[usize],
     pressure: &[f64],
