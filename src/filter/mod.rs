@@ -617,9 +617,6 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
     }
 }
 
-/// The client's affinity token, verified, and stripped from the request
-/// (the upstream has no use for it). A forged, expired or foreign token is
-/// counted and ignored, never followed.
 /// The replica a stored response's id names, if this filter's key minted
 /// it; else counted (another key, the server's own id, forged).
 fn stored_replica<H: Host>(h: &H, w: &Worker, a: &Affinity, id: &[u8]) -> Option<ReplicaId> {
@@ -633,6 +630,9 @@ fn stored_replica<H: Host>(h: &H, w: &Worker, a: &Affinity, id: &[u8]) -> Option
     }
 }
 
+/// The client's affinity token, verified, and stripped from the request
+/// (the upstream has no use for it). A forged, expired or foreign token is
+/// counted and ignored, never followed.
 fn read_affinity<H: Host>(h: &H, w: &Worker, a: &Affinity, headers: &Pairs) -> Option<ReplicaId> {
     let token = headers::get(headers, &a.header)?;
     let _ = h.remove_header(Map::Request, &a.header);
