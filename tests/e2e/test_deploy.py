@@ -1199,6 +1199,8 @@ def test_dashboard_and_alerts_only_use_emitted_or_vllm_metrics(emitted):
         "prefix_router_decision_new_prefix",
         "prefix_router_decision_new_branch",
         "prefix_router_decision_no_prompt",
+        "prefix_router_decision_affinity",
+        "prefix_router_decision_stored_response",
         "prefix_router_shed_429",
         "prefix_router_unavailable_503",
         "prefix_router_replica_scrapes_failed",
@@ -1253,6 +1255,7 @@ def test_alert_rules_are_complete():
         "PrefixRouterNoEligibleReplicas",
         "PrefixRouterShedding",
         "PrefixRouterNotRouting",
+        "PrefixRouterStoredResponsesLost",
     ):
         assert name in rules, name
     for name, r in rules.items():
