@@ -525,6 +525,12 @@ impl Config {
         }
     }
 
+    /// Session affinity, when it names stored responses after their
+    /// replicas (`affinity.response_ids`).
+    pub fn response_ids(&self) -> Option<&Affinity> {
+        self.affinity.as_ref().filter(|a| a.response_ids)
+    }
+
     /// Exact match on the path without its query string.
     pub fn is_inference_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or("");

@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use crate::engine::{Event, Submission};
+use crate::engine::{Event, Submission, Usage};
 use crate::fault::{Fault, Mode};
 use crate::hash::chain_hashes;
 use crate::metrics_fault::{self, MetricsFault};
@@ -224,7 +224,7 @@ async fn responses(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answe
         stream: req.stream,
         include_usage: false,
     };
-    let (job, mut rx) = submit(&r, &headers, prepared).await?;
+    let (job, rx) = submit(&r, &headers, prepared).await?;
     let meta = responses::Meta {
         id: req
             .request_id
@@ -246,20 +246,9 @@ async fn responses(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answe
         }
     };
     if !job.prepared.stream {
-        let mut text = String::new();
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Token(t) => text.push_str(t),
-                Event::Done(usage) => {
-                    keep(&r, &meta.id, &text);
-                    return Ok(Json(meta.object(Some((&text, &usage)))).into_response());
-                }
-            }
-        }
-        return Err(error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "engine dropped the request",
-        ));
+        let (text, usage) = generated(rx).await?;
+        keep(&r, &meta.id, &text);
+        return Ok(Json(meta.object(Some((&text, &usage)))).into_response());
     }
     let created = responses::Meta::event(
         "response.created",
@@ -421,12 +410,18 @@ fn frame(v: &Value) -> String {
     format!("data: {v}\n\n")
 }
 
-async fn collect(job: Job, mut rx: mpsc::UnboundedReceiver<Event>) -> Answer {
+async fn collect(job: Job, rx: mpsc::UnboundedReceiver<Event>) -> Answer {
+    let (text, usage) = generated(rx).await?;
+    Ok(Json(job.meta.full(&text, &usage)).into_response())
+}
+
+/// The whole generated text and its usage, once the engine is done.
+async fn generated(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<(String, Usage), ApiError> {
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Token(t) => text.push_str(t),
-            Event::Done(usage) => return Ok(Json(job.meta.full(&text, &usage)).into_response()),
+            Event::Done(usage) => return Ok((text, usage)),
         }
     }
     Err(error(

@@ -355,15 +355,11 @@ impl HttpFilter {
             .and_then(|hd| hd.responses.as_ref())
             .filter(|_| self.creates_response);
         let stored = self.stored.or_else(|| {
-            let a = w
-                .router
-                .config
-                .affinity
-                .as_ref()
-                .filter(|a| a.response_ids)?;
+            let a = w.router.config.response_ids()?;
             let id = responses?.previous.as_deref()?;
             stored_replica(h, w, a, id.as_bytes())
         });
+        let names = self.names_response(w, responses);
         let meta = Meta {
             model: header.as_ref().map(|hd| hd.model.as_str()),
             sheddable: self.priority.as_deref().is_some_and(is_sheddable),
@@ -372,9 +368,7 @@ impl HttpFilter {
             stored,
             // A first turn: a client that resends the whole conversation
             // (stored or not) is found by its prefix as before.
-            session_start: stored.is_none()
-                && !hashed.later_turn
-                && self.names_response(w, responses),
+            session_start: names && stored.is_none() && !hashed.later_turn,
         };
         let (choice, why) = match decide(h, w, &hashed, meta, now) {
             Ok(d) => d,
@@ -398,7 +392,7 @@ impl HttpFilter {
         let Some(ep) = write_destination(h, w, &choice) else {
             return true;
         };
-        if let (true, Some(body)) = (self.names_response(w, responses), body) {
+        if let (true, Some(body)) = (names, body) {
             self.name_response(h, w, ep.id(), body);
         }
         let rec = w
@@ -459,15 +453,15 @@ impl HttpFilter {
     /// Not in shadow mode, which promises requests go as before.
     fn names_response(&self, w: &Worker, responses: Option<&Responses>) -> bool {
         let cfg = &w.router.config;
-        let on = cfg.affinity.as_ref().is_some_and(|a| a.response_ids);
-        on && cfg.mode == Mode::Route && responses.is_some_and(|r| r.store && !r.named)
+        let on = cfg.response_ids().is_some() && cfg.mode == Mode::Route;
+        on && responses.is_some_and(|r| r.store && !r.named)
     }
 
     /// Name the stored response after the replica that will hold it (see
     /// `affinity::response`). On any failure the body goes as it came:
     /// the server names the response itself, as without the option.
     fn name_response<H: Host>(&self, h: &H, w: &Worker, replica: ReplicaId, body: &[u8]) {
-        let Some(a) = w.router.config.affinity.as_ref().filter(|a| a.response_ids) else {
+        let Some(a) = w.router.config.response_ids() else {
             return;
         };
         // Unique per request: this VM's id and its request count.
