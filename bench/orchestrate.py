@@ -262,6 +262,9 @@ def venv_tool(name: str) -> str | None:
 
 # Session-affinity token header (--affinity) and cookie (--affinity-cookie).
 AFFINITY_HEADER = "x-prefix-router-affinity"
+# The affinity key every instance shares (--affinity, --affinity-cookie,
+# the agentic-responses workload's response names).
+AFFINITY_KEY = "prefix-bench-affinity-key-0123456789abcdef"
 AFFINITY_COOKIE = "prefix-router"
 # Extra prefix-router plugin keys from --plugin (tuning experiments).
 PLUGIN_EXTRA: dict = {}
@@ -278,19 +281,26 @@ WASM_PATH: list[Path] = [harness.WASM]
 BUFFER_LIMIT = 16 * 1024 * 1024
 
 
-def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: int = 1) -> dict:
+def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: int = 1,
+                 workload_plugin: dict | None = None) -> dict:
     """Envoy config for one router kind, rendered from envoy/*.yaml.
 
     prefix-router runs as recommended: metrics scraping on (`cluster`),
     told how many independent gateways there are (`gateways`, see README,
-    Many gateways), plus whatever --plugin adds (which may override it)."""
+    Many gateways), with what the workload needs (its profile's `plugin`:
+    the Responses API's path and response naming), plus whatever --plugin
+    adds (which may override it; an `affinity` object is merged)."""
     limits = {"buffer_limit": BUFFER_LIMIT, "wasm_path": WASM_PATH[0]}
     gateways = {"gateways": instances} if instances > 1 else {}
+    extra = dict(workload_plugin or {})
+    for k, v in PLUGIN_EXTRA.items():
+        both = isinstance(v, dict) and isinstance(extra.get(k), dict)
+        extra[k] = {**extra[k], **v} if both else v
     if kind == "prefix-router":
-        plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **gateways, **PLUGIN_EXTRA}
+        plugin = {"endpoints": pool, "cluster": "pool", "max_fallbacks": 1, **gateways, **extra}
         return harness.render_config("override_host", plugin, pool, port, admin, **limits)
     if kind == "prefix-router-odst":
-        plugin = {"endpoints": pool, "cluster": "pool", **gateways, **PLUGIN_EXTRA}
+        plugin = {"endpoints": pool, "cluster": "pool", **gateways, **extra}
         return harness.render_config("original_dst", plugin, pool, port, admin, **limits)
     # Envoy's own policies: the override_host config without the wasm filter
     # and with a plain lb_policy.
@@ -309,7 +319,7 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: i
 
 
 # Workloads of conversations / sessions: TTFT over turns 2+ is reported too.
-SESSION_WORKLOADS = ("multi-turn", "agentic")
+SESSION_WORKLOADS = ("multi-turn", "agentic", "agentic-responses")
 
 
 def turns_ttft(doc: dict, time_scale: float) -> tuple[list[float], list[float]]:
@@ -429,8 +439,9 @@ class Router:
     """Starts one router (maybe several Envoy instances); `targets` are the
     host:port addresses the load generator uses."""
 
-    def __init__(self, kind: str, pool: list[str], envoy_concurrency: int, envoy_instances: int):
-        self.kind, self.pool = kind, pool
+    def __init__(self, kind: str, pool: list[str], envoy_concurrency: int, envoy_instances: int,
+                 plugin: dict | None = None):
+        self.kind, self.pool, self.plugin = kind, pool, plugin
         self.envoy_concurrency, self.envoy_instances = envoy_concurrency, envoy_instances
         self.targets: list[str] = []
         self.envoys: list[harness.Envoy] = []
@@ -459,7 +470,7 @@ class Router:
             if self.is_envoy:
                 for _ in range(self.envoy_instances):
                     cfg = envoy_config(self.kind, self.pool, harness.free_port(), harness.free_port(),
-                                       self.envoy_instances)
+                                       self.envoy_instances, self.plugin)
                     env = harness.Envoy(cfg, concurrency=self.envoy_concurrency)
                     try:
                         env.__enter__()
@@ -553,7 +564,7 @@ class Router:
 def profiles(a) -> dict[str, dict]:
     """Per workload: replica set-up and load generator arguments."""
     kv_scaled = max(4096, int(100_000 * a.scale))
-    return {
+    out = {
         # The published shape: 150 groups x 2,048-token prefixes, 9,000
         # prompts, 8 replicas. --scale shrinks groups, prompts and each
         # replica's KV cache together, so round robin still has ~3x more
@@ -619,6 +630,20 @@ def profiles(a) -> dict[str, dict]:
                   "--shared-bytes", "40000", "--think", str(a.agent_think)],
         ),
     }
+    # The agentic sessions over the Responses API with stored responses
+    # (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): each turn names the
+    # last (`previous_response_id`) and sends only the new tool output, so
+    # only the replica that stored the last response can serve it; any
+    # other answers 404 and the agent stops. prefix-router runs as its
+    # README advises for this API: the path parsed, responses named after
+    # their replica (`affinity.response_ids`, one key on every instance).
+    out["agentic-responses"] = {
+        **out["agentic"],
+        "load": [*out["agentic"]["load"], "--api", "responses"],
+        "plugin": {"inference_paths": ["/v1/completions", "/v1/chat/completions", "/v1/responses"],
+                   "affinity": {"key": AFFINITY_KEY, "response_ids": True}},
+    }
+    return out
 
 
 def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
@@ -654,7 +679,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
         label += f" +cookie ({'one jar' if a.affinity_cookie == 'shared' else 'a jar per session'})"
     row = {"workload": workload, "router": kind, "label": label, "envoy_instances": instances}
     records = f"runs/{workload}--{kind}" + (f"--x{instances}" if instances > 1 else "") + ".json"
-    router = Router(kind, sim.addrs, a.envoy_concurrency, instances)
+    router = Router(kind, sim.addrs, a.envoy_concurrency, instances, prof.get("plugin"))
     why = router.unavailable()
     if why:
         log(f"[{workload}] {label}: skipped: {why}")
@@ -733,7 +758,7 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
 
 
 # What `--workload all` runs, in order.
-WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic")
+WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic", "agentic-responses")
 
 
 def module_info(path: Path) -> dict:
@@ -852,13 +877,13 @@ def main(argv: list[str] | None = None) -> int:
         # Every instance gets the same key, as an operator's secret store
         # would give it; the load generator's conversations and sessions
         # send the token back.
-        PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
+        PLUGIN_EXTRA.setdefault("affinity", {"key": AFFINITY_KEY,
                                              "header": AFFINITY_HEADER, "clients_echo": True})
     if a.affinity_cookie:
         # A jar several sessions share loses the newest entries of some
         # (responses race): with clients_echo, their next turns would be
         # placed anew.
-        PLUGIN_EXTRA.setdefault("affinity", {"key": "prefix-bench-affinity-key-0123456789abcdef",
+        PLUGIN_EXTRA.setdefault("affinity", {"key": AFFINITY_KEY,
                                              "cookie": AFFINITY_COOKIE,
                                              "clients_echo": a.affinity_cookie == "session"})
 

@@ -16,6 +16,8 @@ WORKLOAD_TITLES = {
     "unique": "unique (no shared prefix: the control)",
     "long-preamble": "long-preamble (one long shared system prompt + tools, then one of many documents)",
     "agentic": "agentic (agent sessions: shared tools, growing tool-call history)",
+    "agentic-responses": "agentic-responses (the agentic sessions over the Responses API: each turn "
+                         "continues the stored response before it)",
 }
 
 

@@ -85,6 +85,8 @@ pub struct Outcome {
     pub cookie: Option<String>,
     /// prefix-router's decision, when the filter runs with `debug_header`.
     pub decision: Option<String>,
+    /// The Responses API's id of this response (to continue it).
+    pub response_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -97,6 +99,32 @@ struct Chunk {
     /// answer 200, then an `error` event, then `[DONE]`.
     #[serde(default)]
     error: Option<serde_json::Value>,
+    /// The Responses API's events: their type, a text delta, the response.
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    delta: Option<serde_json::Value>,
+    #[serde(default)]
+    response: Option<Response>,
+}
+
+/// The response object of a Responses API event.
+#[derive(Deserialize)]
+struct Response {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    usage: Option<ResponseUsage>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct ResponseUsage {
+    #[serde(default)]
+    input_tokens: u64,
+    #[serde(default)]
+    input_tokens_details: Option<Details>,
 }
 
 #[derive(Deserialize)]
@@ -286,11 +314,14 @@ impl Sse {
             out.prompt_tokens = Some(u.prompt_tokens);
             out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
         }
-        let piece: String = chunk
-            .choices
-            .into_iter()
-            .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
-            .collect();
+        let piece: String = match chunk.kind.as_deref() {
+            Some(kind) if kind == "error" || kind.starts_with("response.") => {
+                self.response_event(kind, chunk.delta, chunk.response, payload, out)
+            }
+            _ => (chunk.choices.into_iter())
+                .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
+                .collect(),
+        };
         if piece.is_empty() {
             return;
         }
@@ -301,6 +332,46 @@ impl Sse {
             Some(prev) => out.itl_ms.push(ms(now - prev)),
         }
         self.last = Some(now);
+    }
+}
+
+impl Sse {
+    /// A Responses API event: its text, if a delta. The stream ends with
+    /// `response.completed` (no `[DONE]`); `failed`, `incomplete` and
+    /// `error` are failures.
+    fn response_event(
+        &mut self,
+        kind: &str,
+        delta: Option<serde_json::Value>,
+        response: Option<Response>,
+        payload: &[u8],
+        out: &mut Outcome,
+    ) -> String {
+        if let Some(r) = response {
+            out.response_id = r.id.or(out.response_id.take());
+            if let Some(u) = r.usage {
+                out.prompt_tokens = Some(u.input_tokens);
+                out.cached_tokens = u.input_tokens_details.map(|d| d.cached_tokens);
+            }
+            if let Some(e) = r.error.filter(|e| !e.is_null()) {
+                out.error.get_or_insert_with(|| format!("{kind}: {e}"));
+            }
+        }
+        match kind {
+            "response.output_text.delta" => {
+                return delta
+                    .and_then(|d| d.as_str().map(str::to_string))
+                    .unwrap_or_default();
+            }
+            "response.completed" => self.done = true,
+            "response.failed" | "response.incomplete" | "error" => {
+                let what = String::from_utf8_lossy(&payload[..payload.len().min(300)]).into_owned();
+                out.error
+                    .get_or_insert_with(|| format!("{kind} event: {what}"));
+            }
+            _ => {}
+        }
+        String::new()
     }
 }
 
@@ -390,6 +461,57 @@ mod tests {
             (Some(900), Some(640))
         );
         assert!(sse.done);
+    }
+
+    #[test]
+    fn responses_events_give_the_id_text_ttft_usage_and_the_end() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\",\"usage\":null}}\n\n",
+            at(5),
+            &mut out,
+        );
+        assert_eq!(
+            (out.response_id.as_deref(), out.ttft_ms),
+            (Some("resp_1"), None)
+        );
+        sse.feed(
+            b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n\
+              data: {\"type\":\"response.output_text.delta\",\"delta\":\" there\"}\n\n",
+            at(30),
+            &mut out,
+        );
+        assert!(!sse.done);
+        sse.feed(
+            b"data: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":700,\"input_tokens_details\":{\"cached_tokens\":512}}}}\n\n",
+            at(40),
+            &mut out,
+        );
+        assert_eq!(out.text, "Hi there");
+        assert_eq!((out.chunks, out.ttft_ms), (2, Some(30.0)));
+        assert_eq!(
+            (out.prompt_tokens, out.cached_tokens),
+            (Some(700), Some(512))
+        );
+        assert!(sse.done && out.error.is_none());
+
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"data: {\"type\":\"response.failed\",\"response\":{\"id\":\"resp_2\",\"error\":{\"code\":\"server_error\"}}}\n\n",
+            at(5),
+            &mut out,
+        );
+        assert!(
+            out.error
+                .as_deref()
+                .is_some_and(|e| e.contains("server_error")),
+            "{out:?}"
+        );
+        assert!(!sse.done);
     }
 
     #[test]

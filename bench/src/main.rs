@@ -31,7 +31,7 @@ use tokio::time::Instant as TInstant;
 
 use client::{Outcome, Pool};
 use stats::Record;
-use workload::{Conversation, Plan, Planned, Session};
+use workload::{Api, Conversation, Plan, Planned, Session};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -223,6 +223,11 @@ enum Workload {
         /// Sessions start uniformly over this many simulated seconds.
         #[arg(long, default_value_t = 30.0)]
         ramp: f64,
+        /// `responses`: the Responses API with stored responses, each turn
+        /// continuing the last by `previous_response_id` (the workload is
+        /// then named agentic-responses).
+        #[arg(long, value_enum, default_value_t = workload::Api::Chat)]
+        api: workload::Api,
     },
     /// Short independent prompts with no shared prefix (the control).
     Unique {
@@ -352,6 +357,7 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
             result_bytes_max,
             think,
             ramp,
+            api,
         } => {
             let p = workload::Agentic {
                 sessions: scaled(*sessions, cli.scale),
@@ -361,12 +367,17 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
                 result_bytes: (*result_bytes_min, *result_bytes_max),
                 think_s: *think,
                 ramp_s: *ramp,
+                api: *api,
             };
             let params = json!({"sessions": p.sessions, "turns": [p.turns.0, p.turns.1],
                 "shared_bytes": p.shared_bytes, "task_tokens": p.task_tokens,
                 "result_bytes": [p.result_bytes.0, p.result_bytes.1],
                 "think_s": p.think_s, "ramp_s": p.ramp_s});
-            ("agentic".into(), workload::agentic(&p, cli.seed), params)
+            let name = match api {
+                workload::Api::Chat => "agentic",
+                workload::Api::Responses => "agentic-responses",
+            };
+            (name.into(), workload::agentic(&p, cli.seed), params)
         }
         Workload::Replay { file, speedup } => {
             let plan = workload::replay(file, &cli.model, cli.max_tokens, *speedup)?;
@@ -381,6 +392,35 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
 enum Jars {
     Shared,
     Session,
+}
+
+/// One request to send.
+struct Ask<'a> {
+    path: &'a str,
+    body: &'a Value,
+    /// What the server renders, as a chat or completions body, when the
+    /// body alone doesn't say (a stored response continued): for the
+    /// cache-hit bound. `None`: the body.
+    prompt: Option<&'a Value>,
+    /// Group or session key.
+    key: &'a str,
+    turn: Option<usize>,
+    /// The session-affinity token to send back.
+    affinity: Option<&'a str>,
+}
+
+impl<'a> Ask<'a> {
+    /// A request outside any session.
+    fn one(path: &'a str, body: &'a Value, key: &'a str) -> Self {
+        Ask {
+            path,
+            body,
+            prompt: None,
+            key,
+            turn: None,
+            affinity: None,
+        }
+    }
 }
 
 /// Shared state of one run.
@@ -406,15 +446,15 @@ struct Run {
 
 impl Run {
     /// Sends one request, bounded by the hard deadline, and records it.
-    async fn request(
-        &self,
-        target: usize,
-        path: &str,
-        body: &Value,
-        key: &str,
-        turn: Option<usize>,
-        affinity: Option<&str>,
-    ) -> Outcome {
+    async fn request(&self, target: usize, ask: Ask<'_>) -> Outcome {
+        let Ask {
+            path,
+            body,
+            prompt,
+            key,
+            turn,
+            affinity,
+        } = ask;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let n = self.pools.len().max(1);
         let target = match (self.random_target, turn) {
@@ -460,7 +500,7 @@ impl Run {
         self.record(id, target, start_s, key, turn, &out);
         if self.keep_bodies {
             if let Ok(mut s) = self.sent.lock() {
-                s.push((id, start_s, body.clone()));
+                s.push((id, start_s, prompt.unwrap_or(body).clone()));
             }
         }
         out
@@ -551,7 +591,7 @@ async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: T
         };
         let run = run.clone();
         tasks.spawn(async move {
-            run.request(i, r.path, &r.body, &r.key, None, None).await;
+            run.request(i, Ask::one(r.path, &r.body, &r.key)).await;
             drop(permit);
         });
         // Reap finished tasks so the set stays small.
@@ -573,8 +613,7 @@ async fn run_closed(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline:
                 if TInstant::now() > send_deadline {
                     break;
                 }
-                run.request(client, r.path, &r.body, &r.key, None, None)
-                    .await;
+                run.request(client, Ask::one(r.path, &r.body, &r.key)).await;
             }
         });
     }
@@ -613,11 +652,11 @@ async fn run_conversations(
                 let out = run
                     .request(
                         c,
-                        "/v1/chat/completions",
-                        &body,
-                        &conv.key,
-                        Some(t),
-                        token.as_deref(),
+                        Ask {
+                            turn: Some(t),
+                            affinity: token.as_deref(),
+                            ..Ask::one("/v1/chat/completions", &body, &conv.key)
+                        },
                     )
                     .await;
                 if out.error.is_some() {
@@ -644,6 +683,9 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
         tasks.spawn(async move {
             tokio::time::sleep(Duration::from_secs_f64(session.start * scale)).await;
             let mut token: Option<String> = None;
+            // Responses API: the stored response to continue, and the
+            // answers so far (what the server stored).
+            let (mut previous, mut answers): (Option<String>, Vec<String>) = (None, Vec::new());
             let total = session.turns();
             for t in 0..total {
                 if t > 0 {
@@ -653,26 +695,42 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
                     run.unsent(c, &session.key, t..total, "the run's send deadline passed");
                     break;
                 }
-                let mut body = session.body(t, &model, max_tokens);
+                let (path, mut body, prompt) = match session.api {
+                    Api::Chat => (
+                        "/v1/chat/completions",
+                        session.body(t, &model, max_tokens),
+                        None,
+                    ),
+                    Api::Responses => (
+                        "/v1/responses",
+                        session.responses_body(t, previous.as_deref(), &model, max_tokens),
+                        Some(session.responses_prompt(t, &answers, &model)),
+                    ),
+                };
                 if cache_key {
                     body["prompt_cache_key"] = json!(session.key);
                 }
-                let out = run
-                    .request(
-                        c,
-                        "/v1/chat/completions",
-                        &body,
-                        &session.key,
-                        Some(t),
-                        token.as_deref(),
-                    )
-                    .await;
+                let ask = Ask {
+                    prompt: prompt.as_ref(),
+                    turn: Some(t),
+                    affinity: token.as_deref(),
+                    ..Ask::one(path, &body, &session.key)
+                };
+                let out = run.request(c, ask).await;
                 if out.error.is_some() {
                     // An agent stops when a step fails.
                     run.unsent(c, &session.key, t + 1..total, "an earlier turn failed");
                     break;
                 }
                 token = out.affinity.clone().or(token);
+                if session.api == Api::Responses {
+                    let Some(id) = out.response_id else {
+                        run.unsent(c, &session.key, t + 1..total, "no response id to continue");
+                        break;
+                    };
+                    previous = Some(id);
+                    answers.push(out.text);
+                }
             }
         });
     }
@@ -746,6 +804,11 @@ fn dry_run(cli: &Cli, name: &str, plan: &Plan) -> Result<(), String> {
                     json!({"timestamp": r.at, "path": r.path, "session_id": r.key, "body": r.body}),
                 );
             }
+        }
+        Plan::Sessions(sessions) if sessions.iter().any(|s| s.api == Api::Responses) => {
+            return Err(format!(
+                "--dry-run: {name} names the server's stored responses"
+            ));
         }
         Plan::Sessions(sessions) => {
             for s in sessions {

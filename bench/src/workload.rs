@@ -51,6 +51,19 @@ pub struct Session {
     pub think: Vec<f64>,
     /// Delay before the first turn.
     pub start: f64,
+    /// The API the session speaks.
+    pub api: Api,
+}
+
+/// How an agent session talks to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Api {
+    /// `/v1/chat/completions`: every turn resends the whole history.
+    Chat,
+    /// `/v1/responses` with stored responses: every turn after the first
+    /// names the one before (`previous_response_id`) and sends only what
+    /// is new, so it can be served only where that response is stored.
+    Responses,
 }
 
 impl Session {
@@ -68,6 +81,85 @@ impl Session {
         b["tools"] = (*self.tools).clone();
         b
     }
+
+    /// Turn `t` over the Responses API, continuing the stored response
+    /// `previous`: the instructions and tools again (a follow-up inherits
+    /// neither), then only what is new: the task at turn 0, the tool's
+    /// output after (the model's own call is in the stored response).
+    pub fn responses_body(
+        &self,
+        t: usize,
+        previous: Option<&str>,
+        model: &str,
+        max_tokens: usize,
+    ) -> Value {
+        let input: Vec<Value> = if t == 0 {
+            self.task().cloned().collect()
+        } else {
+            self.tool_outputs(t)
+                .map(|(id, out)| json!({"type": "function_call_output", "call_id": id, "output": out}))
+                .collect()
+        };
+        let mut b = json!({
+            "model": model,
+            "instructions": self.instructions(),
+            "input": input,
+            "tools": responses_tools(&self.tools),
+            "max_output_tokens": max_tokens,
+            "stream": true,
+            "store": true,
+        });
+        if let Some(id) = previous {
+            b["previous_response_id"] = json!(id);
+        }
+        b
+    }
+
+    /// What the server renders for turn `t` of a Responses session, as a
+    /// chat body (for the cache-hit bound): the instructions, the task,
+    /// then each earlier answer (`answers[k]`, turn k's) and the tool
+    /// output that followed it.
+    pub fn responses_prompt(&self, t: usize, answers: &[String], model: &str) -> Value {
+        let mut messages = vec![json!({"role": "system", "content": self.instructions()})];
+        messages.extend(self.task().cloned());
+        for k in 1..=t {
+            let answer = answers.get(k - 1).map_or("", String::as_str);
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.extend(
+                self.tool_outputs(k)
+                    .map(|(_, out)| json!({"role": "tool", "content": out})),
+            );
+        }
+        let mut b = chat(model, messages, 0);
+        b["tools"] = responses_tools(&self.tools);
+        b
+    }
+
+    fn instructions(&self) -> &Value {
+        self.head.first().map_or(&Value::Null, |m| &m["content"])
+    }
+
+    fn task(&self) -> impl Iterator<Item = &Value> {
+        self.head.iter().skip(1)
+    }
+
+    /// Turn `t`'s tool results: call id and output.
+    fn tool_outputs(&self, t: usize) -> impl Iterator<Item = (&Value, &Value)> {
+        (self.steps.get(t).into_iter().flatten())
+            .filter(|m| m["role"] == "tool")
+            .map(|m| (&m["tool_call_id"], &m["content"]))
+    }
+}
+
+/// Chat tool definitions in the Responses API's flat form
+/// (`{"type": "function", "name", "description", "parameters"}`).
+fn responses_tools(tools: &Value) -> Value {
+    let flat = (tools.as_array().into_iter().flatten()).map(|t| {
+        let f = &t["function"];
+        json!({"type": "function", "name": f["name"], "description": f["description"],
+               "parameters": f["parameters"]})
+    });
+    Value::Array(flat.collect())
 }
 
 pub enum Plan {
@@ -307,6 +399,7 @@ pub struct Agentic {
     pub think_s: f64,
     /// Sessions start uniformly over this many simulated seconds.
     pub ramp_s: f64,
+    pub api: Api,
 }
 
 /// S agent sessions sharing one tool set and system prompt; each turn
@@ -352,6 +445,7 @@ pub fn agentic(p: &Agentic, seed: u64) -> Plan {
                 steps,
                 think,
                 start,
+                api: p.api,
             }
         })
         .collect();
@@ -588,6 +682,7 @@ mod tests {
             result_bytes: (2048, 8192),
             think_s: 5.0,
             ramp_s: 30.0,
+            api: Api::Chat,
         }
     }
 
@@ -653,6 +748,63 @@ mod tests {
         assert!(turn_counts.iter().any(|&t| t >= 15));
         // Different sessions have different tasks.
         assert_ne!(ss[0].head[1], ss[1].head[1]);
+    }
+
+    #[test]
+    fn responses_sessions_send_only_what_is_new_after_the_first_turn() {
+        let s = &sessions(agentic(&ag(2), 3))[0];
+        let chat = s.body(0, "m", 8);
+        let first = s.responses_body(0, None, "m", 8);
+        assert_eq!(first["instructions"], chat["messages"][0]["content"]);
+        assert_eq!(first["input"], json!([chat["messages"][1]]));
+        assert_eq!(first.get("previous_response_id"), None);
+        assert_eq!(first["store"], true);
+        // Tools flattened: the chat form's function fields, one level up.
+        let (flat, nested) = (&first["tools"][0], &chat["tools"][0]["function"]);
+        assert_eq!(
+            (&flat["type"], &flat["name"]),
+            (&json!("function"), &nested["name"])
+        );
+        assert_eq!(flat["parameters"], nested["parameters"]);
+        assert_eq!(
+            first["tools"].as_array().unwrap().len(),
+            chat["tools"].as_array().unwrap().len()
+        );
+        for t in 1..s.turns() {
+            let b = s.responses_body(t, Some("resp_x"), "m", 8);
+            assert_eq!(b["previous_response_id"], "resp_x");
+            assert_eq!(
+                (&b["instructions"], &b["tools"]),
+                (&first["instructions"], &first["tools"])
+            );
+            // Only the tool's output: the call is the model's, stored.
+            let result = &s.body(t, "m", 8)["messages"][2 * t + 1];
+            assert_eq!(
+                b["input"],
+                json!([{"type": "function_call_output", "call_id": result["tool_call_id"],
+                        "output": result["content"]}])
+            );
+        }
+        // The server's prompt, as chat: each turn's extends the one before
+        // by the answer and the next tool output.
+        let answers: Vec<String> = (0..s.turns()).map(|k| format!("answer {k}")).collect();
+        let p0 = s.responses_prompt(0, &answers, "m");
+        assert_eq!(p0["messages"], chat["messages"]);
+        let p2 = s.responses_prompt(2, &answers, "m");
+        let m2 = p2["messages"].as_array().unwrap();
+        assert_eq!(m2.len(), 6);
+        assert_eq!(
+            &m2[..4],
+            &s.responses_prompt(1, &answers, "m")["messages"]
+                .as_array()
+                .unwrap()[..]
+        );
+        assert_eq!(m2[4], json!({"role": "assistant", "content": "answer 1"}));
+        assert_eq!(
+            m2[5]["content"],
+            s.body(2, "m", 8)["messages"][5]["content"]
+        );
+        assert_eq!(p2["tools"], first["tools"]);
     }
 
     #[test]

@@ -90,3 +90,26 @@ def test_a_replica_port_pins_the_replicas_addresses():
     a = orchestrate.parser().parse_args([])
     sim = orchestrate.Sim(4, "fast", 1.0, None, None, a.replica_port)
     assert sim.args[sim.args.index("--port") + 1] == "0"
+
+
+def test_the_responses_workload_parses_the_api_and_names_responses_on_every_instance():
+    import json
+
+    prof = orchestrate.profiles(orchestrate.parser().parse_args([]))["agentic-responses"]
+    assert "agentic-responses" in orchestrate.WORKLOADS and "agentic-responses" in orchestrate.SESSION_WORKLOADS
+    assert prof["load"][-2:] == ["--api", "responses"]
+    pool = ["127.0.0.1:1", "127.0.0.1:2"]
+
+    def plugin(cfg: dict) -> dict:
+        return json.loads(_plugin(cfg))
+
+    one = plugin(orchestrate.envoy_config("prefix-router", pool, 1, 2, 3, prof["plugin"]))
+    assert "/v1/responses" in one["inference_paths"]
+    assert one["affinity"]["response_ids"] is True and one["gateways"] == 3
+    # --affinity's settings join the workload's, not replace them.
+    orchestrate.PLUGIN_EXTRA["affinity"] = {"key": orchestrate.AFFINITY_KEY, "clients_echo": True}
+    try:
+        both = plugin(orchestrate.envoy_config("prefix-router", pool, 1, 2, 3, prof["plugin"]))
+    finally:
+        orchestrate.PLUGIN_EXTRA.clear()
+    assert both["affinity"] == {"key": orchestrate.AFFINITY_KEY, "response_ids": True, "clients_echo": True}
