@@ -117,8 +117,7 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"instructions" => b.instructions = nullable(r, text)?,
             b"input" => b.input = nullable(r, input)?,
             b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
-            // vLLM stores on `true` only: `null` reads as not stored.
-            b"store" => b.store = !matches!(r.skip()?, b"false" | b"null"),
+            b"store" => b.store = stores(r.skip()?),
             b"request_id" => b.request_id = !r.null()? && !r.skip()?.is_empty(),
             _ => {
                 r.skip()?;
@@ -128,6 +127,22 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
     })?;
     r.end()?;
     Ok(b)
+}
+
+/// Whether a `store` value, as spelled, stores the response. vLLM and
+/// SGLang store on `true` only, read by pydantic's lax booleans: `1` and
+/// the strings "true", "yes", "on", "1", "t", "y" in any case are true;
+/// `null`, `false` and its spellings are not, and anything else the
+/// server refuses. Naming a response that isn't stored misplaces nothing
+/// (no follow-up can find it) but counts it as named and binds its
+/// session's start.
+fn stores(raw: &[u8]) -> bool {
+    let v = match raw {
+        [b'"', inner @ .., b'"'] => inner,
+        v => v,
+    };
+    const TRUE: [&[u8]; 7] = [b"true", b"1", b"1.0", b"yes", b"on", b"t", b"y"];
+    TRUE.iter().any(|t| t.eq_ignore_ascii_case(v))
 }
 
 /// `null` as `None`, else the value `f` reads.

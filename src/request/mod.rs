@@ -139,13 +139,17 @@ pub fn extract_into<S: Sink>(
         render_prompt(&mut out, p);
     } else if b.input.is_some() || b.instructions.is_some() {
         render_responses(&mut out, &b);
+    } else {
+        return Err(ParseError::NoPrompt);
+    }
+    // Also beside `messages`, which a Responses API server ignores: the
+    // response it stores must still be named.
+    if b.input.is_some() || b.instructions.is_some() {
         header.responses = Some(Responses {
             previous: b.previous_response_id.as_deref().map(str::to_string),
             store: b.store,
             named: b.request_id,
         });
-    } else {
-        return Err(ParseError::NoPrompt);
     }
     header.lead_bytes = out.lead.unwrap_or(0);
     header.own_messages = out.own;
@@ -677,6 +681,50 @@ mod tests {
         let t =
             text(r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"hey"}]}]}"#);
         assert_eq!(t, b"\x1euser\x1f4\x1fhey\x1f3");
+    }
+
+    #[test]
+    fn store_is_read_as_the_servers_read_it() {
+        let responses = |body: &[u8]| extract_into(body, 100, |_| Vec::new()).unwrap().0.responses;
+        let store = |v: &str| {
+            let body = format!(r#"{{"model":"m","input":"hi","store":{v}}}"#);
+            responses(body.as_bytes()).unwrap().store
+        };
+        for yes in [
+            "true",
+            "1",
+            r#""true""#,
+            r#""Yes""#,
+            r#""on""#,
+            r#""1""#,
+            r#""T""#,
+        ] {
+            assert!(store(yes), "{yes}");
+        }
+        for no in [
+            "false",
+            "null",
+            "0",
+            r#""false""#,
+            r#""off""#,
+            r#""no""#,
+            r#""0""#,
+            r#""""#,
+            "2",
+            "{}",
+        ] {
+            assert!(!store(no), "{no}");
+        }
+        let absent = responses(br#"{"model":"m","input":"hi"}"#).unwrap();
+        assert!(absent.store, "the API's default");
+        // `messages` beside `input`: rendered as chat, still a response.
+        let both = br#"{"messages":[{"role":"user","content":"a"}],"input":"b","previous_response_id":"resp_1"}"#;
+        let r = responses(both).unwrap();
+        assert_eq!((r.previous.as_deref(), r.store), (Some("resp_1"), true));
+        assert_eq!(
+            responses(br#"{"messages":[{"role":"user","content":"a"}]}"#),
+            None
+        );
     }
 
     #[test]
