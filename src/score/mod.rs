@@ -17,12 +17,14 @@
 //! and the order for near-ties), `pressure` (load, the load bound, and the
 //! scraped pressure every instance reads alike), `spill` (where a load
 //! spill goes), `gateways` (placement independent instances agree on:
-//! rendezvous and two choices), `token` (the replica an affinity token
-//! names). This file puts them together: `rank_below`.
+//! rendezvous and two choices), `session` (where a stored session
+//! starts), `token` (the replica an affinity token names). This file puts
+//! them together: `rank_below`.
 
 mod cost;
 mod gateways;
 mod pressure;
+mod session;
 mod spill;
 #[cfg(test)]
 mod tests;
@@ -36,6 +38,7 @@ use crate::load::Load;
 use cost::{by_cost, costs};
 use gateways::{rendezvous_order, two_choices};
 use pressure::{open_to_new, pressure, within_bound};
+use session::fewest_sessions;
 use spill::respill;
 use token::token_holder;
 
@@ -289,6 +292,11 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
         let open = open_to_new(cands, &keeps);
         let pick = two_choices(&by_hash, &pressure(cands, &loads, p), &open, margin);
         if let Some(pick) = pick.or_else(|| order.first().copied()) {
+            to_front(&mut order, pick);
+        }
+    }
+    if ask.session_start && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
+        if let Some(pick) = fewest_sessions(cands, &order, &keeps, p) {
             to_front(&mut order, pick);
         }
     }

@@ -262,6 +262,56 @@ fn new_content_goes_where_the_fewest_branches_went() {
 }
 
 #[test]
+fn a_stored_session_starts_where_the_fewest_sessions_are_whatever_runs_now() {
+    // Four replicas holding the trunk; they took 1, 2, 2 and 3 sessions.
+    // The one with a single session runs a cold first turn (700 blocks
+    // of work), as it did whenever a new session started in the bench.
+    let mut c: Vec<Candidate> = (1..=4).map(|id| cand(id, 624, 0, 0)).collect();
+    for (i, n) in [1u32, 2, 2, 3].into_iter().enumerate() {
+        c[i].load.branches = n;
+    }
+    c[0].load.requests = 1;
+    c[0].load.work = 700;
+    let ask = |placement, session_start| Ask {
+        blocks: 654,
+        trunk: 624,
+        placement,
+        later_turn: false,
+        session_start,
+    };
+    for key in 0..50 {
+        // By cost, the turn in flight sends it to a replica with two.
+        let by_cost = rank_below(&c, &ask(key, false), &params());
+        assert!(matches!(by_cost.order[0], 1 | 2), "key {key}");
+        let r = rank_below(&c, &ask(key, true), &params());
+        assert_eq!((r.order[0], r.reason), (0, Reason::NewBranch), "key {key}");
+    }
+    // A request waiting there a moment changes nothing; with several
+    // gateways, the other instances' requests there count as sessions.
+    c[0].waiting = 1.0;
+    assert_eq!(rank_below(&c, &ask(7, true), &params()).order[0], 0);
+    c[0].waiting = 3.0;
+    let many = ScoreParams {
+        gateways: 3,
+        ..params()
+    };
+    let r = rank_below(&c, &ask(7, true), &many);
+    assert!(matches!(r.order[0], 1 | 2), "{:?}", r.order);
+    c[0].waiting = 0.0;
+    // Not where content is being evicted: then the fewest sessions among
+    // the rest, the cheapest of equals.
+    c[0].evicting = true;
+    c[2].load.work = 200;
+    c[2].load.requests = 1;
+    assert_eq!(rank_below(&c, &ask(7, true), &params()).order[0], 1);
+    // Over the load bound with several requests: not open either.
+    c[0].evicting = false;
+    c[0].load.requests = 3;
+    c[0].load.work = 3_000;
+    assert_eq!(rank_below(&c, &ask(7, true), &params()).order[0], 1);
+}
+
+#[test]
 fn a_replica_that_takes_no_new_content_is_not_the_only_agreed_home() {
     // A session's later turn is judged by where new content would go
     // now: with its first candidate taking none (it evicts what it is
