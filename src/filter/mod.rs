@@ -154,6 +154,8 @@ pub struct HttpFilter {
     /// Its path creates a Responses API response (with
     /// `affinity.response_ids`): only such bodies are named or pinned.
     creates_response: bool,
+    /// Its response was named after the pick.
+    named: bool,
 }
 
 impl HttpFilter {
@@ -172,6 +174,7 @@ impl HttpFilter {
             stored: None,
             content_length: false,
             creates_response: false,
+            named: false,
         }
     }
 
@@ -315,6 +318,11 @@ impl HttpFilter {
             }
         }
         w.stats.served_elsewhere.inc(h);
+        if self.named {
+            // Stored there under the pick's name: its follow-ups will go to
+            // the pick, which doesn't have it.
+            w.stats.responses_misplaced.inc(h);
+        }
         routed.replica = served.id();
     }
 
@@ -393,7 +401,7 @@ impl HttpFilter {
             return true;
         };
         if let (true, Some(body)) = (names, body) {
-            self.name_response(h, w, ep.id(), body);
+            self.named = self.name_response(h, w, ep.id(), body);
         }
         let rec = w
             .router
@@ -458,33 +466,35 @@ impl HttpFilter {
     }
 
     /// Name the stored response after the replica that will hold it (see
-    /// `affinity::response`). On any failure the body goes as it came:
-    /// the server names the response itself, as without the option.
-    fn name_response<H: Host>(&self, h: &H, w: &Worker, replica: ReplicaId, body: &[u8]) {
+    /// `affinity::response`); whether it was. On any failure the body goes
+    /// as it came: the server names the response itself, as without the
+    /// option.
+    fn name_response<H: Host>(&self, h: &H, w: &Worker, replica: ReplicaId, body: &[u8]) -> bool {
         let Some(a) = w.router.config.response_ids() else {
-            return;
+            return false;
         };
         // Unique per request: this VM's id and its request count.
         let nonce = w.board.owner().rotate_left(32) ^ w.seq;
         let id = response::mint(a.key.as_bytes(), replica, h.now_ms() / 1000, nonce);
         let Some(renamed) = response::with_request_id(body, &id) else {
-            return;
+            return false;
         };
         // The length first: a body whose length says otherwise would reach
         // the server cut or hang it.
         let length = |n: usize| h.replace_header(Map::Request, "content-length", &n.to_string());
         if self.content_length && length(renamed.len()).is_err() {
             w.stats.header_write_errors.inc(h);
-            return;
+            return false;
         }
         if let Err(status) = h.replace_request_body(body.len(), &renamed) {
             log::warn!("prefix-router: could not name a stored response: status {status}");
             if self.content_length && length(body.len()).is_err() {
                 w.stats.header_write_errors.inc(h);
             }
-            return;
+            return false;
         }
         w.stats.responses_named.inc(h);
+        true
     }
 
     fn body_limit(&self) -> usize {

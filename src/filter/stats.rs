@@ -158,6 +158,9 @@ pub struct Stats {
     /// Follow-ups whose response id no instance minted (another key, the
     /// server's own, forged) or whose replica is gone or ineligible.
     pub responses_unknown: Metric,
+    /// Named responses Envoy served (and so stored) on another replica
+    /// than the one their name gives.
+    pub responses_misplaced: Metric,
     pub no_prompt: Metric,
     pub parse_errors: Metric,
     pub body_too_large: Metric,
@@ -211,6 +214,7 @@ impl Stats {
             stored_response: c("decision.stored_response"),
             responses_named: c("responses.named"),
             responses_unknown: c("responses.unknown"),
+            responses_misplaced: c("responses.misplaced"),
             no_prompt: c("decision.no_prompt"),
             parse_errors: c("parse_errors"),
             body_too_large: c("body_too_large"),

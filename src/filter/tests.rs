@@ -1167,6 +1167,31 @@ fn responses_the_filter_did_not_name_are_left_alone_and_counted() {
 }
 
 #[test]
+fn a_named_response_served_elsewhere_is_counted_misplaced() {
+    let extra = format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#);
+    let fake = Fake::new();
+    let w = worker(&fake, &extra);
+    // Served where it was named, or not named (store false), or named and
+    // served by another replica after the pick refused it.
+    for (body, elsewhere, misplaced) in [
+        (r#"{"model":"m","input":"a"}"#, false, 0),
+        (r#"{"model":"m","input":"b","store":false}"#, true, 0),
+        (r#"{"model":"m","input":"c"}"#, true, 1),
+    ] {
+        let mut s = responses_post(&fake, &w, body);
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        let pick = pick.split(',').next().unwrap().to_string();
+        let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
+        *fake.upstream.borrow_mut() = Some(if elsewhere { other } else { pick });
+        fake.respond(200);
+        s.on_response_headers(&fake);
+        s.on_log(&fake);
+        assert_eq!(fake.stat("responses.misplaced"), misplaced, "{body}");
+    }
+    assert_eq!(fake.stat("served_elsewhere"), 2);
+}
+
+#[test]
 fn a_follow_up_whose_replica_left_the_pool_is_counted_and_routed() {
     let extra = format!(r#"{RESPONSES},"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#);
     let fake = Fake::new();
