@@ -37,8 +37,12 @@ impl Root {
 fn owner_id() -> u64 {
     let mut b = [0u8; 8];
     if getrandom::fill(&mut b).is_err() {
-        // No entropy: fall back to the clock, still distinct per VM start.
-        return (super::now_ms() ^ 0x5bd1_e995_0000_0000) | 1;
+        // No entropy: fall back to the clock in nanoseconds, distinct per
+        // VM start unless two start in the same nanosecond (in
+        // milliseconds, the workers of one Envoy start together and
+        // collided, and with them their load slots and response ids).
+        let ns = abi::current_time_ns().unwrap_or(0);
+        return (ns ^ 0x5bd1_e995_0000_0000) | 1;
     }
     u64::from_le_bytes(b) | 1
 }
