@@ -337,8 +337,9 @@ impl Sse {
 
 impl Sse {
     /// A Responses API event: its text, if a delta. The stream ends with
-    /// `response.completed` (no `[DONE]`); `failed`, `incomplete` and
-    /// `error` are failures.
+    /// `response.completed`, or `response.incomplete` (cut at
+    /// `max_output_tokens`, as OpenAI's servers end the bench's short
+    /// answers); no `[DONE]`. `failed` and `error` are failures.
     fn response_event(
         &mut self,
         kind: &str,
@@ -363,8 +364,8 @@ impl Sse {
                     .and_then(|d| d.as_str().map(str::to_string))
                     .unwrap_or_default();
             }
-            "response.completed" => self.done = true,
-            "response.failed" | "response.incomplete" | "error" => {
+            "response.completed" | "response.incomplete" => self.done = true,
+            "response.failed" | "error" => {
                 let what = String::from_utf8_lossy(&payload[..payload.len().min(300)]).into_owned();
                 out.error
                     .get_or_insert_with(|| format!("{kind} event: {what}"));
@@ -512,6 +513,17 @@ mod tests {
             "{out:?}"
         );
         assert!(!sse.done);
+
+        // Cut at max_output_tokens: a complete answer.
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"data: {\"type\":\"response.incomplete\",\"response\":{\"id\":\"resp_3\",\"status\":\"incomplete\"}}\n\n",
+            at(5),
+            &mut out,
+        );
+        assert!(sse.done && out.error.is_none(), "{out:?}");
+        assert_eq!(out.response_id.as_deref(), Some("resp_3"));
     }
 
     #[test]

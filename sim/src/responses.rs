@@ -57,11 +57,25 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
         tools: obj.get("tools").filter(|t| !t.is_null()).cloned(),
         max_output_tokens,
         stream: obj.get("stream").and_then(Value::as_bool).unwrap_or(false),
-        // vLLM stores on `true` (the default) only.
-        store: obj.get("store").is_none_or(|v| v.as_bool() == Some(true)),
+        store: stores(obj.get("store")),
         previous: s("previous_response_id"),
         request_id: s("request_id"),
     })
+}
+
+/// Whether `store` stores the response: absent (the API's default), or
+/// true as vLLM's request model reads it (pydantic's lax booleans: `true`,
+/// a number equal to 1, "true", "yes", "on", "1", "t", "y" in any case).
+fn stores(v: Option<&Value>) -> bool {
+    match v {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64() == Some(1.0),
+        Some(Value::String(s)) => ["true", "yes", "on", "1", "t", "y"]
+            .iter()
+            .any(|t| t.eq_ignore_ascii_case(s)),
+        _ => false,
+    }
 }
 
 /// An input item as a turn: a message, a function call or its output.
@@ -256,6 +270,9 @@ mod tests {
         assert_eq!(r.request_id.as_deref(), Some("resp_2"));
         assert!(parse(br#"{"input":"x"}"#).unwrap().store);
         assert!(!parse(br#"{"input":"x","store":null}"#).unwrap().store);
+        assert!(parse(br#"{"input":"x","store":"Yes"}"#).unwrap().store);
+        assert!(parse(br#"{"input":"x","store":1.0}"#).unwrap().store);
+        assert!(!parse(br#"{"input":"x","store":"off"}"#).unwrap().store);
         for bad in [
             &b"[]"[..],
             br#"{"model":"m"}"#,

@@ -257,10 +257,11 @@ impl HttpFilter {
             (self.worker.as_ref()).is_some_and(|w| w.borrow().router.config.affinity.is_some());
         // A failed response (an upstream 5xx, or Envoy's own 503 or 504
         // once retries ran out) names no replica to come back to.
-        if !affinity_on || self.routed.is_none() || h.response_status().is_none_or(|s| s >= 500) {
+        let status = h.response_status();
+        if !affinity_on || self.routed.is_none() || status.is_none_or(|s| s >= 500) {
             return Action::Continue;
         }
-        self.follow_the_upstream(h);
+        self.follow_the_upstream(h, status.is_some_and(|s| (200..300).contains(&s)));
         if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
             if let Some(a) = &w.borrow().router.config.affinity {
                 // The session's replica, for the client to send back to
@@ -286,7 +287,9 @@ impl HttpFilter {
     /// affinity on, for the token: reading `upstream.address` from Envoy
     /// costs ~20-30 µs a request (16 KiB chat, added p50 +93-106 µs against
     /// +75-80 without it).
-    fn follow_the_upstream<H: Host>(&mut self, h: &H) {
+    /// `stored`: the answer is a success, so a named response was stored
+    /// where it was served.
+    fn follow_the_upstream<H: Host>(&mut self, h: &H, stored: bool) {
         let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
             return;
         };
@@ -318,9 +321,11 @@ impl HttpFilter {
             }
         }
         w.stats.served_elsewhere.inc(h);
-        if self.named {
+        if self.named && stored {
             // Stored there under the pick's name: its follow-ups will go to
-            // the pick, which doesn't have it.
+            // the pick, which doesn't have it. (A 4xx stored nothing: a
+            // follow-up whose replica refused the connection gets the
+            // next address's 404.)
             w.stats.responses_misplaced.inc(h);
         }
         routed.replica = served.id();

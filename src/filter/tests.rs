@@ -1173,22 +1173,25 @@ fn a_named_response_served_elsewhere_is_counted_misplaced() {
     let w = worker(&fake, &extra);
     // Served where it was named, or not named (store false), or named and
     // served by another replica after the pick refused it.
-    for (body, elsewhere, misplaced) in [
-        (r#"{"model":"m","input":"a"}"#, false, 0),
-        (r#"{"model":"m","input":"b","store":false}"#, true, 0),
-        (r#"{"model":"m","input":"c"}"#, true, 1),
+    // A 404 elsewhere stored nothing (a follow-up whose replica refused
+    // the connection, answered by the next address).
+    for (body, elsewhere, status, misplaced) in [
+        (r#"{"model":"m","input":"a"}"#, false, 200, 0),
+        (r#"{"model":"m","input":"b","store":false}"#, true, 200, 0),
+        (r#"{"model":"m","input":"c"}"#, true, 404, 0),
+        (r#"{"model":"m","input":"d"}"#, true, 200, 1),
     ] {
         let mut s = responses_post(&fake, &w, body);
         let pick = fake.header(Map::Request, DEST).unwrap();
         let pick = pick.split(',').next().unwrap().to_string();
         let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
         *fake.upstream.borrow_mut() = Some(if elsewhere { other } else { pick });
-        fake.respond(200);
+        fake.respond(status);
         s.on_response_headers(&fake);
         s.on_log(&fake);
         assert_eq!(fake.stat("responses.misplaced"), misplaced, "{body}");
     }
-    assert_eq!(fake.stat("served_elsewhere"), 2);
+    assert_eq!(fake.stat("served_elsewhere"), 3);
 }
 
 #[test]

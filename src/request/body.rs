@@ -110,6 +110,11 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
         match &*key.key(r.at())? {
             b"model" => b.model = nullable(r, name)?,
             b"cache_salt" => b.cache_salt = nullable(r, name)?,
+            // An object is the Responses API's prompt template reference
+            // (`{"id": "pmpt_..."}`), not text to route by.
+            b"prompt" if r.peek() == Some(b'{') => {
+                r.skip()?;
+            }
             b"prompt" => b.prompt = nullable(r, prompt)?,
             b"messages" => b.messages = nullable(r, |r| list(r, STRUCTURED, message))?,
             b"tools" => b.tools = nullable(r, Reader::skip)?,
@@ -117,7 +122,7 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"instructions" => b.instructions = nullable(r, text)?,
             b"input" => b.input = nullable(r, input)?,
             b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
-            b"store" => b.store = stores(r.skip()?),
+            b"store" => b.store = stores(r)?,
             b"request_id" => b.request_id = !r.null()? && !r.skip()?.is_empty(),
             _ => {
                 r.skip()?;
@@ -129,20 +134,24 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
     Ok(b)
 }
 
-/// Whether a `store` value, as spelled, stores the response. vLLM and
-/// SGLang store on `true` only, read by pydantic's lax booleans: `1` and
-/// the strings "true", "yes", "on", "1", "t", "y" in any case are true;
-/// `null`, `false` and its spellings are not, and anything else the
-/// server refuses. Naming a response that isn't stored misplaces nothing
-/// (no follow-up can find it) but counts it as named and binds its
-/// session's start.
-fn stores(raw: &[u8]) -> bool {
-    let v = match raw {
-        [b'"', inner @ .., b'"'] => inner,
-        v => v,
-    };
-    const TRUE: [&[u8]; 7] = [b"true", b"1", b"1.0", b"yes", b"on", b"t", b"y"];
-    TRUE.iter().any(|t| t.eq_ignore_ascii_case(v))
+/// Whether a `store` value stores the response. vLLM and SGLang store on
+/// `true` only, read by pydantic's lax booleans: a number equal to 1
+/// (`1`, `1.0`, `1e0`) and the strings "true", "yes", "on", "1", "t", "y"
+/// in any case (escapes decoded) are true; `null`, `false` and its
+/// spellings are not, and anything else the server refuses. Naming a
+/// response that isn't stored misplaces nothing (no follow-up can find
+/// it) but counts it as named and binds its session's start; not naming
+/// one that is loses its follow-ups.
+fn stores(r: &mut Reader<'_>) -> Result<bool, JsonError> {
+    const TRUE: [&str; 6] = ["true", "yes", "on", "1", "t", "y"];
+    let at = r.at();
+    if let Ok(s) = r.string() {
+        let word = s.name(at).ok();
+        return Ok(word.is_some_and(|w| TRUE.iter().any(|t| t.eq_ignore_ascii_case(&w))));
+    }
+    let raw = r.skip()?;
+    let one = || std::str::from_utf8(raw).ok()?.parse::<f64>().ok();
+    Ok(raw == b"true" || one() == Some(1.0))
 }
 
 /// `null` as `None`, else the value `f` reads.

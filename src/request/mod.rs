@@ -78,7 +78,8 @@ pub struct Header {
 pub struct Responses {
     /// The stored response it continues (`previous_response_id`).
     pub previous: Option<String>,
-    /// Its own response is stored (`store` not false).
+    /// Its own response is stored (`store` absent, or a value the
+    /// servers read as true: see `body::stores`).
     pub store: bool,
     /// The client named the request itself (`request_id`).
     pub named: bool,
@@ -693,6 +694,10 @@ mod tests {
         for yes in [
             "true",
             "1",
+            "1.00",
+            "1e0",
+            "10e-1",
+            r#""\u0074rue""#,
             r#""true""#,
             r#""Yes""#,
             r#""on""#,
@@ -711,7 +716,9 @@ mod tests {
             r#""0""#,
             r#""""#,
             "2",
+            "0.5",
             "{}",
+            r#""maybe""#,
         ] {
             assert!(!store(no), "{no}");
         }
@@ -725,6 +732,11 @@ mod tests {
             responses(br#"{"messages":[{"role":"user","content":"a"}]}"#),
             None
         );
+        // A prompt template reference beside the input: still a response.
+        let template =
+            br#"{"input":"hi","previous_response_id":"resp_1","prompt":{"id":"pmpt_1"}}"#;
+        let r = responses(template).unwrap();
+        assert_eq!(r.previous.as_deref(), Some("resp_1"));
     }
 
     #[test]

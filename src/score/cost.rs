@@ -84,7 +84,7 @@ pub(super) fn by_cost(
     let recent: Vec<(u32, u32)> = if fresh {
         cands
             .iter()
-            .map(|c| (c.load.branches.saturating_add(others(c, p)), c.load.placed))
+            .map(|c| (recent_sessions(c, p), c.load.placed))
             .collect()
     } else {
         Vec::new()
@@ -109,6 +109,12 @@ pub(super) fn by_cost(
     order
 }
 
+/// The sessions (new prefixes or branches) a replica took lately: this
+/// instance's, plus the requests other instances have on it (`others`).
+pub(super) fn recent_sessions(c: &Candidate, p: &ScoreParams) -> u32 {
+    c.load.branches.saturating_add(others(c, p))
+}
+
 /// Requests on a replica that other gateway instances sent: the scraped
 /// running and queued requests beyond this instance's own in flight. With
 /// one gateway, 0. New content is placed where the fewest new sessions went
@@ -117,7 +123,7 @@ pub(super) fn by_cost(
 /// a cold prefill, running for a while), which is what keeps three
 /// instances that each spread their own sessions from stacking them on the
 /// same replicas.
-pub(super) fn others(c: &Candidate, p: &ScoreParams) -> u32 {
+fn others(c: &Candidate, p: &ScoreParams) -> u32 {
     if p.gateways <= 1 {
         return 0;
     }

@@ -296,7 +296,7 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
         }
     }
     if ask.session_start && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
-        if let Some(pick) = fewest_sessions(cands, &order, &keeps, p) {
+        if let Some(pick) = fewest_sessions(cands, &order, &keeps, ask, p) {
             to_front(&mut order, pick);
         }
     }

@@ -1,6 +1,6 @@
 //! Where a load spill goes, and whom it leaves.
 
-use super::cost::others;
+use super::cost::recent_sessions;
 use super::pressure::{least_scraped, scraped};
 use super::{Ask, Candidate, ScoreParams};
 
@@ -66,7 +66,7 @@ pub(super) fn respill(
     if !order.first().is_some_and(|&f| near[f]) {
         return None;
     }
-    let recent = |i: usize| cands[i].load.branches.saturating_add(others(&cands[i], p));
+    let recent = |i: usize| recent_sessions(&cands[i], p);
     let home = recent(holder);
     let pick = order
         .iter()

@@ -286,18 +286,27 @@ fn a_stored_session_starts_where_the_fewest_sessions_are_whatever_runs_now() {
         let r = rank_below(&c, &ask(key, true), &params());
         assert_eq!((r.order[0], r.reason), (0, Reason::NewBranch), "key {key}");
     }
-    // A request waiting there a moment changes nothing; with several
-    // gateways, the other instances' requests there count as sessions.
+    // A request waiting there a moment changes nothing; a queue deeper
+    // than the turn's own work does (a page reporting a million waiting,
+    // or a few requests).
     c[0].waiting = 1.0;
     assert_eq!(rank_below(&c, &ask(7, true), &params()).order[0], 0);
-    c[0].waiting = 3.0;
+    for deep in [3.0, 1e6] {
+        c[0].waiting = deep;
+        let r = rank_below(&c, &ask(7, true), &params());
+        assert!(matches!(r.order[0], 1 | 2), "{deep}: {:?}", r.order);
+    }
+    c[0].waiting = 0.0;
+    // With several gateways, the other instances' requests there count
+    // as sessions: two running beyond this instance's one.
+    c[0].running = 3.0;
     let many = ScoreParams {
         gateways: 3,
         ..params()
     };
     let r = rank_below(&c, &ask(7, true), &many);
     assert!(matches!(r.order[0], 1 | 2), "{:?}", r.order);
-    c[0].waiting = 0.0;
+    c[0].running = 0.0;
     // Not where content is being evicted: then the fewest sessions among
     // the rest, the cheapest of equals.
     c[0].evicting = true;
