@@ -86,8 +86,9 @@ CHECKS: list[tuple[str, list[str]]] = [
         f"{E2E}/test_deploy.py::test_production_config_routes_and_serves_only_metrics_on_its_metrics_port",
         f"{E2E}/test_deploy.py::test_production_config_retries_on_the_fallback_replica",
     ]),
-    ("body rewrite (stored responses)", [
+    ("stored responses: body rewrite, a 404 retried on the successor", [
         f"{E2E}/test_gateways.py::test_a_long_stored_request_is_renamed_whole_with_its_length",
+        f"{E2E}/test_gateways.py::test_a_stored_response_its_replica_refused_is_continued_on_its_successor",
     ]),
     ("Istio bootstrap", [
         f"{E2E}/test_deploy.py::test_istio_fragments_validate_in_envoy",

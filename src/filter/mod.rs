@@ -154,8 +154,10 @@ pub struct HttpFilter {
     /// Its path creates a Responses API response (with
     /// `affinity.response_ids`): only such bodies are named or pinned.
     creates_response: bool,
-    /// Its response was named after the pick.
-    named: bool,
+    /// Its response was named after the pick: the replicas the
+    /// destination header listed, where its follow-ups look for it (empty
+    /// when not named).
+    named: Vec<ReplicaId>,
 }
 
 impl HttpFilter {
@@ -174,7 +176,7 @@ impl HttpFilter {
             stored: None,
             content_length: false,
             creates_response: false,
-            named: false,
+            named: Vec::new(),
         }
     }
 
@@ -321,11 +323,11 @@ impl HttpFilter {
             }
         }
         w.stats.served_elsewhere.inc(h);
-        if self.named && stored {
-            // Stored there under the pick's name: its follow-ups will go to
-            // the pick, which doesn't have it. (A 4xx stored nothing: a
-            // follow-up whose replica refused the connection gets the
-            // next address's 404.)
+        if stored && !self.named.is_empty() && !self.named.contains(&served.id()) {
+            // Stored under the pick's name where no follow-up looks: the
+            // header listed the pick's successors, and Envoy went past
+            // them (its fallback policy). On a successor it is found.
+            // (A 4xx stored nothing.)
             w.stats.responses_misplaced.inc(h);
         }
         routed.replica = served.id();
@@ -379,6 +381,7 @@ impl HttpFilter {
             // A token the client sent on purpose comes first.
             affinity: self.affinity.or(self.session_in_cookie(&hashed)),
             stored,
+            named: names,
             // A first turn: a client that resends the whole conversation
             // (stored or not) is found by its prefix as before.
             session_start: names && stored.is_none() && !hashed.later_turn,
@@ -406,7 +409,12 @@ impl HttpFilter {
             return true;
         };
         if let (true, Some(body)) = (names, body) {
-            self.named = self.name_response(h, w, ep.id(), body);
+            if self.name_response(h, w, ep.id(), body) {
+                self.named = w.router.listed(&choice);
+            }
+        }
+        if meta.stored.is_some() && w.router.config.mode == Mode::Route {
+            retry_where_listed(h, w, &choice);
         }
         let rec = w
             .router
@@ -586,6 +594,27 @@ fn write_destination<H: Host>(h: &H, w: &Worker, choice: &Choice) -> Option<Endp
         return None;
     }
     Some(ep)
+}
+
+/// A follow-up of a stored response may find it on the home's successors
+/// (`score::stored`): a create the home refused went there. Envoy is
+/// asked to retry a 404 down the header's addresses, as it retries a
+/// refused connection by its route's policy; the route's `num_retries`
+/// (1 when it has no retry policy) bounds how far. A 404 from a model
+/// server for a response it doesn't hold means nothing ran.
+fn retry_where_listed<H: Host>(h: &H, w: &Worker, choice: &Choice) {
+    if w.router.listed(choice).len() < 2 {
+        return;
+    }
+    for (name, value) in [
+        ("x-envoy-retry-on", "retriable-status-codes"),
+        ("x-envoy-retriable-status-codes", "404"),
+    ] {
+        if let Err(status) = h.replace_header(Map::Request, name, value) {
+            log::warn!("prefix-router: could not set `{name}`: status {status}");
+            w.stats.header_write_errors.inc(h);
+        }
+    }
 }
 
 /// Deliberate, and only in the test build: it exercises Envoy's

@@ -1192,6 +1192,104 @@ fn a_named_response_served_elsewhere_is_counted_misplaced() {
         assert_eq!(fake.stat("responses.misplaced"), misplaced, "{body}");
     }
     assert_eq!(fake.stat("served_elsewhere"), 3);
+    // With a fallback listed: stored on it, it is where follow-ups look;
+    // on a replica the header didn't list (Envoy's fallback policy), not.
+    let w = worker(&fake, &format!(r#"{extra},"max_fallbacks":1"#));
+    for (listed, misplaced) in [(true, 1), (false, 2)] {
+        let mut s = responses_post(&fake, &w, r#"{"model":"m","input":"e"}"#);
+        let dest = fake.header(Map::Request, DEST).unwrap();
+        let (_, second) = dest.split_once(',').unwrap();
+        let outside = POOL.iter().find(|&&e| !dest.contains(e)).unwrap();
+        *fake.upstream.borrow_mut() = Some(if listed { second } else { outside }.to_string());
+        fake.respond(200);
+        s.on_response_headers(&fake);
+        s.on_log(&fake);
+        assert_eq!(fake.stat("responses.misplaced"), misplaced, "{dest}");
+    }
+}
+
+#[test]
+fn a_create_its_home_refused_is_found_on_the_homes_successor_from_any_instance() {
+    let extra = format!(
+        r#"{RESPONSES},"max_fallbacks":1,"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#
+    );
+    // Instance A names a create after its pick and lists the pick's
+    // successor; the pick refuses it, and the successor stores it.
+    let (a, b) = (Fake::new(), Fake::new());
+    let (wa, wb) = (worker(&a, &extra), worker(&b, &extra));
+    let mut s = responses_post(&a, &wa, r#"{"model":"m","input":"What is a KV cache?"}"#);
+    let listed = a.header(Map::Request, DEST).unwrap();
+    let (home, succ) = listed.split_once(',').unwrap();
+    let id = request_id(&a).unwrap();
+    assert_eq!(a.header(Map::Request, "x-envoy-retry-on"), None);
+    *a.upstream.borrow_mut() = Some(succ.to_string());
+    a.respond(200);
+    s.on_response_headers(&a);
+    s.on_log(&a);
+    assert_eq!(a.stat("served_elsewhere"), 1);
+    assert_eq!(a.stat("responses.misplaced"), 0);
+    // Instance B, busy elsewhere than A, lists the same two for each
+    // follow-up and asks Envoy to retry the home's 404 on the successor;
+    // each follow-up is named after the home again, so its own
+    // follow-ups look in the same two places.
+    // (Its successor is the busiest there: by load it would be listed last.)
+    let mut held = Vec::new();
+    for i in 0..64 {
+        let mut s = post(&b, &wb, &[], &doc(100 + i));
+        let dest = b.header(Map::Request, DEST).unwrap();
+        if dest.split(',').next() == Some(succ) {
+            held.push(s);
+        } else {
+            s.on_log(&b);
+        }
+    }
+    assert!(held.len() >= 2, "{}", held.len());
+    let mut previous = id;
+    for turn in 0..3 {
+        let next = format!(
+            r#"{{"model":"m","previous_response_id":"{previous}","input":"And turn {turn}?"}}"#
+        );
+        responses_post(&b, &wb, &next);
+        assert_eq!(
+            b.header(Map::Request, DEST).as_deref(),
+            Some(listed.as_str())
+        );
+        assert_eq!(
+            b.header(Map::Request, "x-envoy-retry-on").as_deref(),
+            Some("retriable-status-codes")
+        );
+        assert_eq!(
+            b.header(Map::Request, "x-envoy-retriable-status-codes")
+                .as_deref(),
+            Some("404")
+        );
+        previous = request_id(&b).unwrap();
+        assert_eq!(
+            response::replica_of(AFFINITY_KEY.as_bytes(), previous.as_bytes()),
+            Ok(id_of(home))
+        );
+    }
+    assert_eq!(b.stat("decision.stored_response"), 3);
+    // The home has left the pool (a replica that died): the follow-up
+    // goes to its successor first, where a create the home refused is.
+    let c = Fake::new();
+    let rest: Vec<String> = POOL
+        .iter()
+        .filter(|&&e| e != home)
+        .map(|e| format!("\"{e}\""))
+        .collect();
+    let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, rest.join(","));
+    let wc = Rc::new(RefCell::new(Worker::new(
+        &c,
+        Config::parse(json.as_bytes()).unwrap(),
+        7,
+    )));
+    let next =
+        format!(r#"{{"model":"m","previous_response_id":"{previous}","input":"Still there?"}}"#);
+    responses_post(&c, &wc, &next);
+    let dest = c.header(Map::Request, DEST).unwrap();
+    assert_eq!(dest.split(',').next(), Some(succ), "{dest}");
+    assert_eq!(c.stat("responses.unknown"), 1);
 }
 
 #[test]

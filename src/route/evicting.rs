@@ -146,7 +146,6 @@ mod tests {
             kv_usage: 0.0,
             lora: Default::default(),
             affinity: false,
-            stored: false,
             hit_rate,
             traffic: None,
             evicting: false,

@@ -110,7 +110,6 @@ mod tests {
             kv_usage: 0.0,
             lora: Default::default(),
             affinity: false,
-            stored: false,
             hit_rate: None,
             traffic,
             evicting: false,

@@ -44,9 +44,12 @@ pub struct Meta<'a> {
     pub sheddable: bool,
     /// The replica a verified affinity token names (see `affinity`).
     pub affinity: Option<ReplicaId>,
-    /// The replica holding the stored response the request continues
-    /// (see `affinity::response`).
+    /// The replica the stored response the request continues is named
+    /// after (see `affinity::response`).
     pub stored: Option<ReplicaId>,
+    /// Its response will be stored under the pick's name
+    /// (`affinity.response_ids`).
+    pub named: bool,
     /// The first turn of a conversation the model server will store, and
     /// every later turn will follow (`affinity.response_ids`): placed as
     /// a new session below its preamble (see `score::Ask::session_start`).
@@ -396,6 +399,11 @@ impl Router {
             },
             later_turn: hashed.later_turn,
             session_start: meta.session_start,
+            stored: match (meta.stored, meta.named) {
+                (Some(home), _) => score::Stored::Continues(home),
+                (None, true) => score::Stored::Named,
+                (None, false) => score::Stored::No,
+            },
         };
         let ranked = score::rank_below(&cands, &ask, &self.params);
         let held = ranked
@@ -505,7 +513,6 @@ impl Router {
                     kv_usage: row.map(|r| r.kv_usage).unwrap_or(0.0),
                     lora: adapter.map(|m| lora_fit(*row, m)).unwrap_or_default(),
                     affinity: meta.affinity == Some(id),
-                    stored: meta.stored == Some(id),
                     evicting: false,
                     trust: 1.0,
                     hit_rate: row.and_then(|r| r.cache.hit_rate()),
@@ -640,14 +647,23 @@ impl Router {
     /// The destination header value: the pick, then up to `max_fallbacks`
     /// next-best replicas, comma-separated (override_host retries in order).
     pub fn header_value(&self, choice: &Choice) -> String {
+        self.header_endpoints(choice)
+            .map(Endpoint::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The replicas the destination header lists, in order.
+    pub fn listed(&self, choice: &Choice) -> Vec<ReplicaId> {
+        self.header_endpoints(choice).map(Endpoint::id).collect()
+    }
+
+    fn header_endpoints<'a>(&'a self, choice: &'a Choice) -> impl Iterator<Item = &'a Endpoint> {
         choice
             .order
             .iter()
             .take(1 + self.config.max_fallbacks)
             .filter_map(|&i| self.endpoint(i))
-            .map(Endpoint::as_str)
-            .collect::<Vec<_>>()
-            .join(",")
     }
 
     /// Record the pick: in-flight work now, index entries for its prefix.

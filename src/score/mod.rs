@@ -18,14 +18,16 @@
 //! scraped pressure every instance reads alike), `spill` (where a load
 //! spill goes), `gateways` (placement independent instances agree on:
 //! rendezvous and two choices), `session` (where a stored session
-//! starts), `token` (the replica an affinity token names). This file puts
-//! them together: `rank_below`.
+//! starts), `stored` (where a stored response is looked for), `token`
+//! (the replica an affinity token names). This file puts them together:
+//! `rank_below`.
 
 mod cost;
 mod gateways;
 mod pressure;
 mod session;
 mod spill;
+mod stored;
 #[cfg(test)]
 mod tests;
 mod token;
@@ -40,6 +42,7 @@ use gateways::{rendezvous_order, two_choices};
 use pressure::{open_to_new, pressure, within_bound};
 use session::fewest_sessions;
 use spill::respill;
+use stored::looked_in;
 use token::token_holder;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,9 +60,6 @@ pub struct Candidate {
     pub lora: LoraFit,
     /// The client's verified affinity token names this replica.
     pub affinity: bool,
-    /// It holds the stored response the request continues (see
-    /// `affinity::response`): no other replica can serve it.
-    pub stored: bool,
     /// Its prefix cache's measured hit rate, when it reports one (see
     /// `route::evicting`).
     pub hit_rate: Option<f32>,
@@ -116,7 +116,8 @@ pub enum Reason {
     NewBranch,
     /// The client's session-affinity token named the replica.
     Affinity,
-    /// The replica holds the stored response the request continues.
+    /// The replica the stored response the request continues is named
+    /// after (see `affinity::response`).
     Stored,
     /// No prompt to hash (no body, not an inference path, parse error).
     NoPrompt,
@@ -230,6 +231,25 @@ pub struct Ask {
     /// preamble's holders, and every session with it (six of six on one
     /// of four replicas, three instances).
     pub session_start: bool,
+    /// Whether the model server stores the response (Responses API), and
+    /// under whose name.
+    pub stored: Stored,
+}
+
+/// A stored Responses API response, named after a replica (see
+/// `affinity::response`): the request's fallbacks are that replica's
+/// successors (`stored::looked_in`), on every instance alike.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Stored {
+    /// Nothing stored, or nothing the filter names.
+    #[default]
+    No,
+    /// Its response will be stored under the pick's name.
+    Named,
+    /// It continues a response named after this replica, which only that
+    /// replica or one of its successors holds (and its own response, if
+    /// stored, goes under the same name).
+    Continues(ReplicaId),
 }
 
 /// `rank` for a request that brings new content below a shared trunk of
@@ -312,11 +332,22 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
         to_front(&mut order, a);
         reason = Reason::Affinity;
     }
-    // Whatever its load: anywhere else the server answers that the
-    // response doesn't exist.
-    if let Some(s) = cands.iter().position(|c| c.stored) {
-        to_front(&mut order, s);
-        reason = Reason::Stored;
+    match ask.stored {
+        // Whatever its load: anywhere else the server answers that the
+        // response doesn't exist. A home that isn't eligible leaves its
+        // successors, where a create it failed went.
+        Stored::Continues(home) => {
+            order = looked_in(cands, home);
+            if order.first().is_some_and(|&i| cands[i].id == home) {
+                reason = Reason::Stored;
+            }
+        }
+        Stored::Named => {
+            if let Some(&pick) = order.first() {
+                order = looked_in(cands, cands[pick].id);
+            }
+        }
+        Stored::No => {}
     }
     Ranked {
         order,

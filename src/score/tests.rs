@@ -29,7 +29,6 @@ fn cand(id: u64, matched: u32, requests: u32, work: u64) -> Candidate {
         kv_usage: 0.0,
         lora: LoraFit::NotApplicable,
         affinity: false,
-        stored: false,
         hit_rate: None,
         traffic: None,
         evicting: false,
@@ -242,7 +241,7 @@ fn new_content_goes_where_the_fewest_branches_went() {
         trunk: 624,
         placement,
         later_turn: false,
-        session_start: false,
+        ..Ask::default()
     };
     for key in 0..100 {
         let r = rank_below(&c, &ask(key), &params());
@@ -278,6 +277,7 @@ fn a_stored_session_starts_where_the_fewest_sessions_are_whatever_runs_now() {
         placement,
         later_turn: false,
         session_start,
+        ..Ask::default()
     };
     for key in 0..50 {
         // By cost, the turn in flight sends it to a replica with two.
@@ -608,4 +608,41 @@ fn adding_a_replica_moves_about_one_in_n() {
 #[test]
 fn empty_pool_ranks_nothing() {
     assert!(rank(&[], 10, 1, &params()).order.is_empty());
+}
+
+#[test]
+fn a_stored_response_is_looked_for_on_its_homes_successors_whatever_the_load() {
+    let c: Vec<Candidate> = (1..=5).map(|id| cand(id, 0, 0, 0)).collect();
+    let ask = |stored| Ask {
+        blocks: 40,
+        placement: 9,
+        stored,
+        ..Ask::default()
+    };
+    let named = rank_below(&c, &ask(Stored::Named), &params());
+    let pick = c[named.order[0]].id;
+    let tail: Vec<u64> = named.order[1..].iter().map(|&i| c[i].id).collect();
+    // By rendezvous on the pick alone: the ranking's own order for the
+    // rest (all idle, so by the placement hash) would differ by key.
+    let mut by_weight: Vec<u64> = (1..=5).filter(|&id| id != pick).collect();
+    by_weight.sort_by_key(|&id| std::cmp::Reverse(rendezvous(pick, id)));
+    assert_eq!(tail, by_weight);
+    // A follow-up goes to the home whatever its load, and lists the same
+    // successors whatever theirs.
+    let mut busy = c.clone();
+    for (i, x) in busy.iter_mut().enumerate() {
+        x.load.requests = 3 + i as u32;
+        x.load.work = 400 * (5 - i as u64);
+        x.waiting = i as f32;
+    }
+    let r = rank_below(&busy, &ask(Stored::Continues(pick)), &params());
+    assert_eq!(r.reason, Reason::Stored);
+    let ids: Vec<u64> = r.order.iter().map(|&i| busy[i].id).collect();
+    assert_eq!((ids[0], &ids[1..]), (pick, &tail[..]));
+    // Its home is gone: its successors, in order, and not as a pin.
+    let rest: Vec<Candidate> = busy.iter().copied().filter(|x| x.id != pick).collect();
+    let r = rank_below(&rest, &ask(Stored::Continues(pick)), &params());
+    assert_ne!(r.reason, Reason::Stored);
+    let ids: Vec<u64> = r.order.iter().map(|&i| rest[i].id).collect();
+    assert_eq!(ids, tail);
 }

@@ -15,7 +15,7 @@ import random
 import urllib.request
 from collections import Counter, defaultdict
 
-from harness import backends, chat, completion, filter_envoy, request
+from harness import Envoy, backends, chat, completion, filter_envoy, free_port, render_config, request
 
 KEY = "gateway-shared-secret-0123456789abcdef"
 AFFINITY = "x-prefix-router-affinity"
@@ -338,6 +338,83 @@ def test_stored_responses_are_continued_on_their_replica_from_any_instance():
                 assert total("responses.named") == 30
                 assert total("decision.stored_response") == 6 * 4 + 6
                 assert total("responses.unknown") == 0
+
+
+def set_fault(addr: str, mode: str) -> None:
+    body = json.dumps({"mode": mode}).encode()
+    req = urllib.request.Request(f"http://{addr}/admin/fault", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200
+
+
+def test_a_stored_response_its_replica_refused_is_continued_on_its_successor():
+    # A create named after a replica that answers 503 is retried by Envoy
+    # on the header's next address and stored there, under the first's
+    # name. The next address is the named replica's successor, the same on
+    # every instance, and every follow-up lists it too: while the replica
+    # is down its 503 is retried there, and once it is back its 404 is.
+    from test_lora import SIM, replica_sim
+
+    assert SIM.exists(), "build replica-sim first (scripts/build)"
+    paths = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+    plugin = {
+        "inference_paths": paths,
+        "max_fallbacks": 1,
+        "affinity": {"key": KEY, "response_ids": True},
+    }
+    rng = random.Random(7)
+    with replica_sim(4) as pool, contextlib.ExitStack() as stack:
+        gws = []
+        for _ in range(2):
+            cfg = render_config("override_host", {"endpoints": pool, **plugin}, pool, free_port(), free_port())
+            hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            retry = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["retry_policy"]
+            # As envoy-production.yaml: a 503 goes to the next address.
+            retry["retry_on"] += ",retriable-status-codes"
+            retry["retriable_status_codes"] = [503]
+            gws.append(stack.enter_context(Envoy(cfg, concurrency=1)))
+        down = pool[0]
+        set_fault(down, "down")
+        turns = defaultdict(list)
+        previous = {}
+        for t in range(4):
+            if t == 2:
+                set_fault(down, "ok")  # back, without the responses
+                retried = sum(gw.stat("cluster.pool.upstream_rq_retry") for gw in gws)
+            for c in range(8):
+                body = {
+                    "model": "sim-model",
+                    "instructions": "You are a careful assistant. " * 40,
+                    "input": f"Conversation {c}, question {t}: what next?",
+                    "max_output_tokens": 4,
+                }
+                if c in previous:
+                    body["previous_response_id"] = previous[c]
+                status, headers, data = request(rng.choice(gws).port, path="/v1/responses", body=body)
+                if status == 200:
+                    previous[c] = json.loads(data)["id"]
+                turns[c].append((status, headers.get("x-served-by")))
+        statuses = Counter(s for got in turns.values() for s, _ in got)
+        assert statuses == {200: 32}, (statuses, dict(turns))
+        for c, got in turns.items():
+            assert len({by for _, by in got}) == 1, (c, got)
+            assert got[0][1] != down, (c, got)
+        for c, rid in previous.items():
+            status, headers, _ = request(rng.choice(gws).port, method="GET", path=f"/v1/responses/{rid}")
+            assert (status, headers.get("x-served-by")) == (200, turns[c][0][1]), c
+        total = lambda name: sum(gw.stat(name) for gw in gws)
+        # At least one session of the down replica's (sessions start where
+        # the fewest are), each turn served by its successor: its last two
+        # after a 404 from the replica, back.
+        elsewhere = total("prefix_router.served_elsewhere")
+        assert elsewhere >= 4 and total("cluster.pool.upstream_rq_retry") == elsewhere, elsewhere
+        # While it was down, its sessions' first two turns were retried
+        # after its 503; back, their last two and the read-back after its
+        # 404.
+        assert retried % 2 == 0 and elsewhere - retried == 3 * (retried // 2), (elsewhere, retried)
+        assert total("prefix_router.responses.misplaced") == 0
+        assert total("prefix_router.responses.unknown") == 0
+        assert total("prefix_router.responses.named") == 32
 
 
 def test_a_long_stored_request_is_renamed_whole_with_its_length():
