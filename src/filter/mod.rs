@@ -263,7 +263,15 @@ impl HttpFilter {
         if !affinity_on || self.routed.is_none() || status.is_none_or(|s| s >= 500) {
             return Action::Continue;
         }
-        self.follow_the_upstream(h, status.is_some_and(|s| (200..300).contains(&s)));
+        let success = status.is_some_and(|s| (200..300).contains(&s));
+        self.follow_the_upstream(h, success);
+        // Nor does a refusal (a 429 from a replica that is rate limiting,
+        // a 404 for a stored response it doesn't hold, a 400): the turn
+        // didn't run there, and the session's replica is where the
+        // client's last token or cookie says.
+        if !success {
+            return Action::Continue;
+        }
         if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
             if let Some(a) = &w.borrow().router.config.affinity {
                 // The session's replica, for the client to send back to

@@ -556,8 +556,9 @@ fn affinity_tokens_are_read_stripped_verified_and_issued() {
     }
     assert_eq!(fake.stat("decision.affinity"), 4);
     // A failed response (a 5xx from the replica, or Envoy's own 503 or
-    // 504 once retries ran out) names no replica to come back to.
-    for status in [500, 503, 504] {
+    // 504 once retries ran out) names no replica to come back to, nor
+    // does a refusal (the turn didn't run there).
+    for status in [400, 404, 429, 500, 503, 504] {
         let mut s = post(&fake, &w, &[], &doc(7));
         fake.respond(status);
         s.on_response_headers(&fake);
@@ -587,6 +588,17 @@ fn cookie_turn(
     jar: Option<&str>,
     body: &[u8],
 ) -> (String, Option<(String, String)>) {
+    cookie_turn_answered(fake, w, jar, body, 200)
+}
+
+/// `cookie_turn`, answered with `status`.
+fn cookie_turn_answered(
+    fake: &Fake,
+    w: &Rc<RefCell<Worker>>,
+    jar: Option<&str>,
+    body: &[u8],
+    status: u16,
+) -> (String, Option<(String, String)>) {
     let cookie = jar.map(|j| format!("theirs=1; pr={j}"));
     let extra: Vec<(&str, &[u8])> = cookie.iter().map(|c| ("cookie", c.as_bytes())).collect();
     let mut s = post(fake, w, &extra, body);
@@ -598,7 +610,7 @@ fn cookie_turn(
             Some("theirs=1")
         );
     }
-    fake.respond(200);
+    fake.respond(status);
     fake.response
         .borrow_mut()
         .push((b"set-cookie".to_vec(), b"upstream=kept".to_vec()));
@@ -660,9 +672,17 @@ fn an_affinity_cookie_leads_each_session_of_a_shared_jar_to_its_replica() {
     let key = AFFINITY_KEY.as_bytes();
     let opened = cookie::Jar::open(key, jar.as_deref().unwrap().as_bytes(), now_s, 3600).unwrap();
     assert_eq!(opened.probes().len(), 4);
+    // A turn refused upstream (rate limited) ran nowhere: no cookie, and
+    // the client's jar still leads the conversation to its replica.
+    for status in [429, 503] {
+        let (pick, set) =
+            cookie_turn_answered(&b, &wb, jar.as_deref(), &conversation(2, 4), status);
+        assert_eq!((pick.as_str(), set), (home[2].as_str(), None), "{status}");
+    }
+    assert_eq!(b.stat("decision.affinity"), 10);
     // A new conversation with the same jar: placed as any, not followed.
     cookie_turn(&b, &wb, jar.as_deref(), &conversation(9, 1));
-    assert_eq!(b.stat("decision.affinity"), 8);
+    assert_eq!(b.stat("decision.affinity"), 10);
     // A forged cookie: stripped, counted, not followed.
     let entry = cookie::Entry {
         replica: 1,
@@ -675,7 +695,7 @@ fn an_affinity_cookie_leads_each_session_of_a_shared_jar_to_its_replica() {
         .seal(b"another key, also at least 32 bytes long");
     cookie_turn(&b, &wb, Some(&forged), &conversation(0, 4));
     assert_eq!(b.stat("affinity.rejected"), 1);
-    assert_eq!(b.stat("decision.affinity"), 8);
+    assert_eq!(b.stat("decision.affinity"), 10);
 }
 
 #[test]
