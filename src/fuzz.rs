@@ -110,8 +110,10 @@ pub fn affinity_values(data: &[u8]) {
     const KEY: &[u8] = b"fuzzing-key-fuzzing-key-fuzzing-key";
     let _ = affinity::verify(KEY, data, 1_000_000, 3600);
     let _ = response::replica_of(KEY, data);
-    if let Some(named) = response::with_request_id(data, "resp_x") {
+    if let Some(h) = response::request_id_head(data, "resp_x") {
+        let named = h.apply(data);
         assert!(named.starts_with(br#"{"request_id":"resp_x""#));
+        assert_eq!(named.len(), h.len_with(data.len()));
     }
     if let Ok(path) = std::str::from_utf8(data) {
         let _ = response::id_in_path(path, &["/v1/responses".to_string()]);

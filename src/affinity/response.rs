@@ -47,19 +47,43 @@ pub fn replica_of(key: &[u8], id: &[u8]) -> Result<ReplicaId, AffinityError> {
     Ok(u64_at(&payload))
 }
 
-/// `body` (a JSON object) with `"request_id":"<id>"` as its first member;
-/// `None` when it isn't an object. Envoy replaces a buffered body only
-/// whole, so this is a copy of it.
-pub fn with_request_id(body: &[u8], id: &str) -> Option<Vec<u8>> {
+/// How `body` (a JSON object) gets `"request_id":"<id>"` as its first
+/// member: its first `drop` bytes (any whitespace and the `{`) give way
+/// to `head`. `None` when it isn't an object. Envoy edits a buffered body
+/// at its start (or end) without a copy of the rest, so renaming a
+/// 256 KiB body moves a hundred bytes, not the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub drop: usize,
+    pub head: Vec<u8>,
+}
+
+pub fn request_id_head(body: &[u8], id: &str) -> Option<Head> {
     let start = body.iter().position(|b| !b.is_ascii_whitespace())?;
     let rest = body.get(start..)?.strip_prefix(b"{")?;
     let empty = rest.trim_ascii_start().starts_with(b"}");
-    let mut out = Vec::with_capacity(body.len() + id.len() + 20);
-    out.extend_from_slice(b"{\"request_id\":\"");
-    out.extend_from_slice(id.as_bytes());
-    out.extend_from_slice(if empty { b"\"" } else { b"\"," });
-    out.extend_from_slice(rest);
-    Some(out)
+    let mut head = Vec::with_capacity(id.len() + 20);
+    head.extend_from_slice(b"{\"request_id\":\"");
+    head.extend_from_slice(id.as_bytes());
+    head.extend_from_slice(if empty { b"\"" } else { b"\"," });
+    Some(Head {
+        drop: start + 1,
+        head,
+    })
+}
+
+impl Head {
+    /// The body with it: what the upstream gets.
+    pub fn apply(&self, body: &[u8]) -> Vec<u8> {
+        let mut out = self.head.clone();
+        out.extend_from_slice(body.get(self.drop..).unwrap_or_default());
+        out
+    }
+
+    /// The renamed body's length.
+    pub fn len_with(&self, body_len: usize) -> usize {
+        body_len.saturating_sub(self.drop) + self.head.len()
+    }
 }
 
 /// The path creates a response: it is one of the Responses API paths
@@ -121,14 +145,16 @@ mod tests {
     #[test]
     fn the_request_id_goes_first_in_the_body() {
         let body = br#"  {"model":"m","input":"hi"}"#;
-        let out = with_request_id(body, "resp_1").unwrap();
+        let h = request_id_head(body, "resp_1").unwrap();
+        // The two spaces and the brace give way: nothing else is copied.
+        assert_eq!(h.drop, 3);
+        let out = h.apply(body);
         assert_eq!(out, br#"{"request_id":"resp_1","model":"m","input":"hi"}"#);
-        assert_eq!(
-            with_request_id(b"{ }", "resp_1").unwrap(),
-            br#"{"request_id":"resp_1" }"#
-        );
-        assert_eq!(with_request_id(b"[1]", "resp_1"), None);
-        assert_eq!(with_request_id(b"   ", "resp_1"), None);
+        assert_eq!(h.len_with(body.len()), out.len());
+        let empty = request_id_head(b"{ }", "resp_1").unwrap();
+        assert_eq!(empty.apply(b"{ }"), br#"{"request_id":"resp_1" }"#);
+        assert_eq!(request_id_head(b"[1]", "resp_1"), None);
+        assert_eq!(request_id_head(b"   ", "resp_1"), None);
     }
 
     #[test]

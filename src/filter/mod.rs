@@ -68,9 +68,9 @@ pub trait Host: Metrics {
     /// Up to `max` bytes of the buffered request body; `None` when the
     /// host has none to give.
     fn request_body(&self, max: usize) -> Option<Vec<u8>>;
-    /// Replace the whole buffered request body, `len` bytes (before it
-    /// goes upstream).
-    fn replace_request_body(&self, len: usize, body: &[u8]) -> Result<(), u32>;
+    /// Replace the buffered request body's first `drop` bytes with `head`
+    /// (before it goes upstream; the rest stays where it is).
+    fn replace_request_body_head(&self, drop: usize, head: &[u8]) -> Result<(), u32>;
     /// Answer the request from the filter instead of forwarding it.
     fn send_local_response(
         &self,
@@ -497,17 +497,17 @@ impl HttpFilter {
         // Unique per request: this VM's id and its request count.
         let nonce = w.board.owner().rotate_left(32) ^ w.seq;
         let id = response::mint(a.key.as_bytes(), replica, h.now_ms() / 1000, nonce);
-        let Some(renamed) = response::with_request_id(body, &id) else {
+        let Some(named) = response::request_id_head(body, &id) else {
             return false;
         };
         // The length first: a body whose length says otherwise would reach
         // the server cut or hang it.
         let length = |n: usize| h.replace_header(Map::Request, "content-length", &n.to_string());
-        if self.content_length && length(renamed.len()).is_err() {
+        if self.content_length && length(named.len_with(body.len())).is_err() {
             w.stats.header_write_errors.inc(h);
             return false;
         }
-        if let Err(status) = h.replace_request_body(body.len(), &renamed) {
+        if let Err(status) = h.replace_request_body_head(named.drop, &named.head) {
             log::warn!("prefix-router: could not name a stored response: status {status}");
             if self.content_length && length(body.len()).is_err() {
                 w.stats.header_write_errors.inc(h);

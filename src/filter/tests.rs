@@ -202,12 +202,14 @@ impl Host for Fake {
         Some(b.get(..max.min(b.len())).unwrap_or_default().to_vec())
     }
 
-    fn replace_request_body(&self, len: usize, body: &[u8]) -> Result<(), u32> {
-        assert_eq!(len, self.body.borrow().len(), "the whole body");
+    fn replace_request_body_head(&self, drop: usize, head: &[u8]) -> Result<(), u32> {
+        // As Envoy: drain `drop` bytes, prepend the head.
+        let mut body = self.body.borrow_mut();
+        assert!(drop <= body.len(), "{drop} of {}", body.len());
         self.calls
             .borrow_mut()
-            .push(format!("write body {}", body.len()));
-        *self.body.borrow_mut() = body.to_vec();
+            .push(format!("write body head {drop} -> {}", head.len()));
+        body.splice(..drop, head.iter().copied());
         Ok(())
     }
 

@@ -85,11 +85,12 @@ pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Option<Vec<u8>>
     (status == OK).then_some(buf)
 }
 
-/// Replace a whole host buffer of `len` bytes (Envoy replaces a buffered
-/// body only whole, or prepends or appends to it).
-pub fn set_whole_buffer(kind: BufferType, len: usize, data: &[u8]) -> Result<(), u32> {
+/// Replace a host buffer's first `drop` bytes with `data`. Envoy edits a
+/// buffered body only at its start (drains `drop` bytes, prepends
+/// `data`) or past its end; anything else is refused.
+pub fn set_buffer_head(kind: BufferType, drop: usize, data: &[u8]) -> Result<(), u32> {
     // SAFETY: pointer and length of a live slice; the host copies it.
-    check(unsafe { proxy_set_buffer_bytes(kind, 0, len, data.as_ptr(), data.len()) })
+    check(unsafe { proxy_set_buffer_bytes(kind, 0, drop, data.as_ptr(), data.len()) })
 }
 
 /// A shared-data value and its CAS token; `(None, None)` when absent.

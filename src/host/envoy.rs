@@ -106,8 +106,8 @@ impl<'a> Host for Stream<'a> {
         abi::get_buffer(BufferType::HttpRequestBody, 0, max)
     }
 
-    fn replace_request_body(&self, len: usize, body: &[u8]) -> Result<(), u32> {
-        abi::set_whole_buffer(BufferType::HttpRequestBody, len, body)
+    fn replace_request_body_head(&self, drop: usize, head: &[u8]) -> Result<(), u32> {
+        abi::set_buffer_head(BufferType::HttpRequestBody, drop, head)
     }
 
     fn send_local_response(
