@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cookie", action="store_true",
                     help="also measure prefix-router-cookie: session affinity in a cookie, sent back")
     ap.add_argument("--responses", action="store_true",
-                    help="also measure prefix-router-named: stored responses named after their replica")
+                    help="also measure prefix-router-named: stored responses named after their replica "
+                         "(and prefix-router-before-named with --before)")
     a = ap.parse_args(argv)
     global WORKERS
     WORKERS = a.workers
@@ -157,9 +158,13 @@ def main(argv=None) -> int:
             "key": "bench-overhead-affinity-key-0123456789", "cookie": "prefix-router"}}
         COOKIES["prefix-router-cookie"] = "prefix-router"
     if a.responses:
+        named = {"affinity": {"key": "bench-overhead-affinity-key-0123456789", "response_ids": True}}
         extra["prefix-router-named"] = a.wasm
-        PLUGINS["prefix-router-named"] = {"affinity": {
-            "key": "bench-overhead-affinity-key-0123456789", "response_ids": True}}
+        PLUGINS["prefix-router-named"] = named
+        if a.before:
+            # The other build's naming, side by side.
+            extra["prefix-router-before-named"] = a.before
+            PLUGINS["prefix-router-before-named"] = named
     for name, path in extra.items():
         MODULES[name] = Path(path)
         if name not in a.routers.split(","):
