@@ -154,9 +154,9 @@ pub struct HttpFilter {
     /// Its path creates a Responses API response (with
     /// `affinity.response_ids`): only such bodies are named or pinned.
     creates_response: bool,
-    /// Its response was named after the pick: the replicas the
-    /// destination header listed, where its follow-ups look for it (empty
-    /// when not named).
+    /// Its response was named (after the pick, or after the replica of
+    /// the response it continues): the replicas the destination header
+    /// listed, where its follow-ups look for it (empty when not named).
     named: Vec<ReplicaId>,
 }
 
@@ -310,8 +310,18 @@ impl HttpFilter {
             return;
         };
         let mut w = w.borrow_mut();
+        if served.id() == routed.replica {
+            return;
+        }
+        if stored && !self.named.is_empty() && !self.named.contains(&served.id()) {
+            // Stored under its name where no follow-up looks: the header
+            // listed the name's successors, and Envoy went past them (its
+            // fallback policy, or a host the filter doesn't know). On a
+            // successor it is found. (A 4xx stored nothing.)
+            w.stats.responses_misplaced.inc(h);
+        }
         let known = w.router.endpoints().iter().any(|e| e.id() == served.id());
-        if served.id() == routed.replica || !known {
+        if !known {
             return;
         }
         let now = h.now_ms();
@@ -331,13 +341,6 @@ impl HttpFilter {
             }
         }
         w.stats.served_elsewhere.inc(h);
-        if stored && !self.named.is_empty() && !self.named.contains(&served.id()) {
-            // Stored under the pick's name where no follow-up looks: the
-            // header listed the pick's successors, and Envoy went past
-            // them (its fallback policy). On a successor it is found.
-            // (A 4xx stored nothing.)
-            w.stats.responses_misplaced.inc(h);
-        }
         routed.replica = served.id();
     }
 
@@ -408,8 +411,10 @@ impl HttpFilter {
             // A valid token whose replica is gone, ineligible or overloaded.
             w.stats.affinity_rejected.inc(h);
         }
-        if meta.stored.is_some() && choice.reason != Reason::Stored {
-            // Its replica is gone or ineligible: no replica has it.
+        let home = choice.order.first().and_then(|&i| w.router.endpoint(i));
+        if meta.stored.is_some() && home.map(Endpoint::id) != meta.stored {
+            // Its replica is gone or ineligible: only a create it refused
+            // is on a successor.
             w.stats.responses_unknown.inc(h);
         }
         let choice = apply_mode(h, w, choice, why.as_ref());
@@ -417,7 +422,10 @@ impl HttpFilter {
             return true;
         };
         if let (true, Some(body)) = (names, body) {
-            if self.name_response(h, w, ep.id(), body) {
+            // A follow-up's own response goes under the name of the one it
+            // continues, even on a successor: its own follow-up then looks
+            // in the same places.
+            if self.name_response(h, w, meta.stored.unwrap_or(ep.id()), body) {
                 self.named = w.router.listed(&choice);
             }
         }

@@ -1323,9 +1323,71 @@ fn a_follow_up_whose_replica_left_the_pool_is_counted_and_routed() {
     let body = format!(r#"{{"model":"m","previous_response_id":"{gone}","input":"hi"}}"#);
     responses_post(&fake, &w, &body);
     let pick = fake.header(Map::Request, DEST).unwrap();
-    assert!(POOL.contains(&pick.as_str()), "{pick}");
+    // Its first successor, where a create it refused would be.
+    let first = POOL
+        .iter()
+        .max_by_key(|&&e| crate::score::rendezvous(id_of("10.9.9.9:80"), id_of(e)))
+        .unwrap();
+    assert_eq!(&pick, first);
     assert_eq!(fake.stat("responses.unknown"), 1);
-    assert_eq!(fake.stat("decision.stored_response"), 0);
+    assert_eq!(fake.stat("decision.stored_response"), 1);
+    // Its own response keeps the name it continues.
+    let next = request_id(&fake).unwrap();
+    assert_eq!(
+        response::replica_of(AFFINITY_KEY.as_bytes(), next.as_bytes()),
+        Ok(id_of("10.9.9.9:80"))
+    );
+}
+
+#[test]
+fn a_follow_up_of_a_gone_replica_refused_by_its_successor_is_found_by_the_next() {
+    // The home is gone: the follow-up lists its successors S1, S2; S1
+    // refuses and S2 stores it. Named after the home, its own follow-up
+    // lists S1, S2 again (named after S1, it listed S1's successors,
+    // which need not include S2). And a create served by a host the
+    // filter doesn't know is stored where no follow-up looks.
+    let extra = format!(
+        r#"{RESPONSES},"max_fallbacks":1,"affinity":{{"key":"{AFFINITY_KEY}","response_ids":true}}"#
+    );
+    for home in POOL {
+        let f = Fake::new();
+        let rest: Vec<String> = POOL
+            .iter()
+            .filter(|&&e| e != home)
+            .map(|e| format!("\"{e}\""))
+            .collect();
+        let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, rest.join(","));
+        let w = Rc::new(RefCell::new(Worker::new(
+            &f,
+            Config::parse(json.as_bytes()).unwrap(),
+            7,
+        )));
+        let r0 = response::mint(AFFINITY_KEY.as_bytes(), id_of(home), 0, 1);
+        let body = format!(r#"{{"model":"m","previous_response_id":"{r0}","input":"t1"}}"#);
+        let mut s = responses_post(&f, &w, &body);
+        let listed = f.header(Map::Request, DEST).unwrap();
+        let (_, second) = listed.split_once(',').unwrap();
+        let r1 = request_id(&f).unwrap();
+        *f.upstream.borrow_mut() = Some(second.to_string());
+        f.respond(200);
+        s.on_response_headers(&f);
+        s.on_log(&f);
+        let body = format!(r#"{{"model":"m","previous_response_id":"{r1}","input":"t2"}}"#);
+        responses_post(&f, &w, &body);
+        assert_eq!(
+            f.header(Map::Request, DEST).as_deref(),
+            Some(listed.as_str()),
+            "{home}"
+        );
+        assert_eq!(f.stat("responses.misplaced"), 0, "{home}");
+        // Served by a host outside the pool: misplaced.
+        let mut s = responses_post(&f, &w, r#"{"model":"m","input":"x"}"#);
+        *f.upstream.borrow_mut() = Some("10.0.0.9:80".to_string());
+        f.respond(200);
+        s.on_response_headers(&f);
+        s.on_log(&f);
+        assert_eq!(f.stat("responses.misplaced"), 1, "{home}");
+    }
 }
 
 #[test]

@@ -116,8 +116,9 @@ pub enum Reason {
     NewBranch,
     /// The client's session-affinity token named the replica.
     Affinity,
-    /// The replica the stored response the request continues is named
-    /// after (see `affinity::response`).
+    /// Where the stored response the request continues is: the replica
+    /// it is named after (see `affinity::response`), or, that one not
+    /// eligible, its successors (`stored::looked_in`).
     Stored,
     /// No prompt to hash (no body, not an inference path, parse error).
     NoPrompt,
@@ -338,9 +339,7 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
         // successors, where a create it failed went.
         Stored::Continues(home) => {
             order = looked_in(cands, home);
-            if order.first().is_some_and(|&i| cands[i].id == home) {
-                reason = Reason::Stored;
-            }
+            reason = Reason::Stored;
         }
         Stored::Named => {
             if let Some(&pick) = order.first() {

@@ -639,10 +639,30 @@ fn a_stored_response_is_looked_for_on_its_homes_successors_whatever_the_load() {
     assert_eq!(r.reason, Reason::Stored);
     let ids: Vec<u64> = r.order.iter().map(|&i| busy[i].id).collect();
     assert_eq!((ids[0], &ids[1..]), (pick, &tail[..]));
-    // Its home is gone: its successors, in order, and not as a pin.
+    // Its home is gone: its successors, in order.
     let rest: Vec<Candidate> = busy.iter().copied().filter(|x| x.id != pick).collect();
     let r = rank_below(&rest, &ask(Stored::Continues(pick)), &params());
-    assert_ne!(r.reason, Reason::Stored);
+    assert_eq!(r.reason, Reason::Stored);
     let ids: Vec<u64> = r.order.iter().map(|&i| rest[i].id).collect();
     assert_eq!(ids, tail);
+}
+
+#[test]
+fn a_follow_up_of_a_gone_replica_goes_to_its_successor_as_stored_not_as_a_token_says() {
+    // The token names a replica, the stored response another that is
+    // gone: the follow-up goes to the gone one's first successor, and the
+    // reason says why (not the token's, whose replica it isn't).
+    let home = 99;
+    let mut c: Vec<Candidate> = (1..=5).map(|id| cand(id, 0, 0, 0)).collect();
+    let first = looked_in(&c, home)[0];
+    let token = (first + 1) % c.len();
+    c[token].affinity = true;
+    let ask = Ask {
+        blocks: 40,
+        placement: 9,
+        stored: Stored::Continues(home),
+        ..Ask::default()
+    };
+    let r = rank_below(&c, &ask, &params());
+    assert_eq!((r.order[0], r.reason), (first, Reason::Stored));
 }
