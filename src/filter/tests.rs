@@ -243,6 +243,18 @@ fn worker(fake: &Fake, extra: &str) -> Rc<RefCell<Worker>> {
     Rc::new(RefCell::new(Worker::new(fake, config, 7)))
 }
 
+/// `worker` over the pool without `gone` (a replica that left).
+fn worker_without(fake: &Fake, gone: &str, extra: &str) -> Rc<RefCell<Worker>> {
+    let eps: Vec<String> = POOL
+        .iter()
+        .filter(|&&e| e != gone)
+        .map(|e| format!("\"{e}\""))
+        .collect();
+    let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, eps.join(","));
+    let config = Config::parse(json.as_bytes()).unwrap();
+    Rc::new(RefCell::new(Worker::new(fake, config, 7)))
+}
+
 fn completion(prompt: &str) -> Vec<u8> {
     format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes()
 }
@@ -1295,17 +1307,7 @@ fn a_create_its_home_refused_is_found_on_the_homes_successor_from_any_instance()
     // The home has left the pool (a replica that died): the follow-up
     // goes to its successor first, where a create the home refused is.
     let c = Fake::new();
-    let rest: Vec<String> = POOL
-        .iter()
-        .filter(|&&e| e != home)
-        .map(|e| format!("\"{e}\""))
-        .collect();
-    let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, rest.join(","));
-    let wc = Rc::new(RefCell::new(Worker::new(
-        &c,
-        Config::parse(json.as_bytes()).unwrap(),
-        7,
-    )));
+    let wc = worker_without(&c, home, &extra);
     let next =
         format!(r#"{{"model":"m","previous_response_id":"{previous}","input":"Still there?"}}"#);
     responses_post(&c, &wc, &next);
@@ -1351,17 +1353,7 @@ fn a_follow_up_of_a_gone_replica_refused_by_its_successor_is_found_by_the_next()
     );
     for home in POOL {
         let f = Fake::new();
-        let rest: Vec<String> = POOL
-            .iter()
-            .filter(|&&e| e != home)
-            .map(|e| format!("\"{e}\""))
-            .collect();
-        let json = format!(r#"{{"endpoints":[{}]{extra}}}"#, rest.join(","));
-        let w = Rc::new(RefCell::new(Worker::new(
-            &f,
-            Config::parse(json.as_bytes()).unwrap(),
-            7,
-        )));
+        let w = worker_without(&f, home, &extra);
         let r0 = response::mint(AFFINITY_KEY.as_bytes(), id_of(home), 0, 1);
         let body = format!(r#"{{"model":"m","previous_response_id":"{r0}","input":"t1"}}"#);
         let mut s = responses_post(&f, &w, &body);
