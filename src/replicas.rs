@@ -13,6 +13,7 @@ use crate::store::{self, get_existing, shared_key, Reader, Store, StoreError, Wr
 
 const TABLE_KEY: &str = shared_key!("replicas");
 const LEASE_KEY: &str = shared_key!("scrape-lease");
+const BLIND_KEY: &str = shared_key!("scrape-blind");
 /// 2: each row framed by its own length, so one unreadable row costs only
 /// itself; 3: the common record envelope (`store::Writer`); 4: the prefix
 /// cache's measured hit rate. Tables of another version read as absent and
@@ -476,10 +477,37 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
     }
 }
 
+/// Whether no replica passing its scrapes (`blind`) is news to the
+/// process: `Some(blind)` once per change, whichever VM scrapes. The lease
+/// moves between VMs; each VM remembering what it had said warned again
+/// after every takeover. A lost write (a race) is someone else's news.
+pub fn blind_news<S: Store + ?Sized>(store: &S, blind: bool) -> Option<bool> {
+    let (said, cas) = store.get(BLIND_KEY);
+    if said.as_deref().is_some_and(|v| v == [1]) == blind {
+        return None;
+    }
+    store
+        .set(BLIND_KEY, &[u8::from(blind)], cas)
+        .ok()
+        .map(|()| blind)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::MemStore;
+
+    #[test]
+    fn blindness_is_news_once_each_way_for_every_vm() {
+        let store = MemStore::new();
+        assert_eq!(blind_news(&store, false), None);
+        assert_eq!(blind_news(&store, true), Some(true));
+        // Another VM took the lease: the process has said it already.
+        assert_eq!(blind_news(&store, true), None);
+        assert_eq!(blind_news(&store, false), Some(false));
+        assert_eq!(blind_news(&store, false), None);
+        assert_eq!(blind_news(&store, true), Some(true));
+    }
     use std::cell::RefCell;
 
     const P: HealthPolicy = HealthPolicy {

@@ -57,8 +57,6 @@ pub struct Scraper {
     table_loaded: bool,
     dirty: bool,
     stats: ScraperStats,
-    /// No replica passed its scrapes at the last count (warned once).
-    blind: bool,
     /// The last failed scrape's replica and cause, for that warning.
     last_failure: Option<String>,
 }
@@ -81,7 +79,6 @@ impl Scraper {
             table_loaded: false,
             dirty: false,
             stats: ScraperStats::define(&Envoy),
-            blind: false,
             last_failure: None,
         }
     }
@@ -421,13 +418,15 @@ impl Scraper {
     }
 
     /// The eligible count, and a warning when none is left (the router
-    /// then ranks every replica blind) or one is back: once each way, with
-    /// the last failure's cause, not once per failed scrape.
+    /// then ranks every replica blind) or one is back: once each way for
+    /// the process (`replicas::blind_news`), with the last failure's
+    /// cause, not once per failed scrape.
     fn publish_eligible(&mut self, router: &Router, now_ms: u64) {
         let n = router.eligible_count(&self.shared(), now_ms);
         self.stats.eligible.record(&Envoy, n as u64);
         let blind = n == 0 && !router.endpoints().is_empty();
-        if blind && !self.blind {
+        let news = replicas::blind_news(&self.shared(), blind);
+        if news == Some(true) {
             let path = router
                 .config
                 .scrape
@@ -439,9 +438,8 @@ impl Scraper {
                 self.last_failure.as_deref().unwrap_or("none yet"),
                 router.endpoints().len()
             );
-        } else if !blind && self.blind {
+        } else if news == Some(false) {
             log::warn!("prefix-router: {n} replicas pass their metrics scrapes again");
         }
-        self.blind = blind;
     }
 }
