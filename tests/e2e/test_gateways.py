@@ -263,6 +263,16 @@ def test_sessions_sharing_a_cookie_jar_each_keep_their_replica_across_instances(
         assert len(seen) == 24 and not any("pr=" in c for c in seen), seen
 
 
+def response_id(data: bytes, streamed: bool) -> str:
+    """A Responses API answer's id, streamed (its `response.completed`
+    event) or not."""
+    text = data.decode()
+    if not streamed:
+        return json.loads(text)["id"]
+    done = [l for l in text.splitlines() if '"response.completed"' in l and l.startswith("data:")]
+    return json.loads(done[-1][5:])["response"]["id"]
+
+
 def responses_conversations(gws, rng, conversations=6, turns=5):
     """Responses API conversations, each later turn continuing the last by
     `previous_response_id`, every turn (and a read-back of each stored
@@ -285,12 +295,7 @@ def responses_conversations(gws, rng, conversations=6, turns=5):
             status, headers, data = request(gw.port, path="/v1/responses", body=body)
             rid = None
             if status == 200:
-                text = data.decode()
-                if body["stream"]:
-                    done = [l for l in text.splitlines() if '"response.completed"' in l and l.startswith("data:")]
-                    rid = json.loads(done[-1][5:])["response"]["id"]
-                else:
-                    rid = json.loads(text)["id"]
+                rid = response_id(data, body["stream"])
                 previous = rid
             out[c].append((status, headers.get("x-served-by"), rid))
     return out
@@ -318,9 +323,14 @@ def test_stored_responses_are_continued_on_their_replica_from_any_instance():
                 turns = responses_conversations(gws, rng)
                 statuses = Counter(s for got in turns.values() for s, _, _ in got)
                 if not named:
-                    # Without it, follow-ups land where a new prompt would.
-                    # (5 and 12 of the 24 follow-ups in two runs.)
-                    assert statuses[404] >= 1, statuses
+                    # Without it, follow-ups land where a new prompt would:
+                    # 404s (5 and 12 of the 24 follow-ups in two runs), or,
+                    # about one run in twelve, none because every turn of
+                    # every conversation went to the one replica holding
+                    # the shared instructions (the inputs are shorter than
+                    # a block).
+                    served = {by for got in turns.values() for s, by, _ in got if s == 200}
+                    assert statuses[404] >= 1 or len(served) == 1, (statuses, served)
                     continue
                 assert statuses == {200: 30}, statuses
                 for c, got in turns.items():
@@ -350,7 +360,7 @@ def set_fault(addr: str, mode: str) -> None:
 def test_a_stored_response_its_replica_refused_is_continued_on_its_successor():
     # A create named after a replica that answers 503 is retried by Envoy
     # on the header's next address and stored there, under the first's
-    # name. The next address is the named replica's successor, the same on
+    # name (streamed or not, alternately). The next address is the named replica's successor, the same on
     # every instance, and every follow-up lists it too: while the replica
     # is down its 503 is retried there, and once it is back its 404 is.
     from test_lora import SIM, replica_sim
@@ -387,12 +397,13 @@ def test_a_stored_response_its_replica_refused_is_continued_on_its_successor():
                     "instructions": "You are a careful assistant. " * 40,
                     "input": f"Conversation {c}, question {t}: what next?",
                     "max_output_tokens": 4,
+                    "stream": (c + t) % 2 == 1,
                 }
                 if c in previous:
                     body["previous_response_id"] = previous[c]
                 status, headers, data = request(rng.choice(gws).port, path="/v1/responses", body=body)
                 if status == 200:
-                    previous[c] = json.loads(data)["id"]
+                    previous[c] = response_id(data, body["stream"])
                 turns[c].append((status, headers.get("x-served-by")))
         statuses = Counter(s for got in turns.values() for s, _ in got)
         assert statuses == {200: 32}, (statuses, dict(turns))
