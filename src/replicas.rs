@@ -496,18 +496,6 @@ pub fn blind_news<S: Store + ?Sized>(store: &S, blind: bool) -> Option<bool> {
 mod tests {
     use super::*;
     use crate::store::MemStore;
-
-    #[test]
-    fn blindness_is_news_once_each_way_for_every_vm() {
-        let store = MemStore::new();
-        assert_eq!(blind_news(&store, false), None);
-        assert_eq!(blind_news(&store, true), Some(true));
-        // Another VM took the lease: the process has said it already.
-        assert_eq!(blind_news(&store, true), None);
-        assert_eq!(blind_news(&store, false), Some(false));
-        assert_eq!(blind_news(&store, false), None);
-        assert_eq!(blind_news(&store, true), Some(true));
-    }
     use std::cell::RefCell;
 
     const P: HealthPolicy = HealthPolicy {
@@ -876,5 +864,17 @@ mod tests {
         s.set(LEASE_KEY, &lease_record(0, 0), None).unwrap();
         assert_eq!(acquire_lease(&Racy(&s), 1, 10, 300), Lease::Other);
         assert_eq!(decode_lease(&s.get(LEASE_KEY).0.unwrap()), Some((7, 1000)));
+    }
+
+    #[test]
+    fn blindness_is_news_once_each_way_for_every_vm() {
+        let store = MemStore::new();
+        assert_eq!(blind_news(&store, false), None);
+        assert_eq!(blind_news(&store, true), Some(true));
+        // Another VM took the lease: the process has said it already.
+        assert_eq!(blind_news(&store, true), None);
+        assert_eq!(blind_news(&store, false), Some(false));
+        assert_eq!(blind_news(&store, false), None);
+        assert_eq!(blind_news(&store, true), Some(true));
     }
 }

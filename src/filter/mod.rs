@@ -421,16 +421,21 @@ impl HttpFilter {
         let Some(ep) = write_destination(h, w, &choice) else {
             return true;
         };
+        // Only stored responses need the list (and only they pay for it).
+        let listed = match names || meta.stored.is_some() {
+            true => w.router.listed(&choice),
+            false => Vec::new(),
+        };
+        if meta.stored.is_some() && listed.len() > 1 && w.router.config.mode == Mode::Route {
+            retry_where_listed(h, w);
+        }
         if let (true, Some(body)) = (names, body) {
             // A follow-up's own response goes under the name of the one it
             // continues, even on a successor: its own follow-up then looks
             // in the same places.
             if self.name_response(h, w, meta.stored.unwrap_or(ep.id()), body) {
-                self.named = w.router.listed(&choice);
+                self.named = listed;
             }
-        }
-        if meta.stored.is_some() && w.router.config.mode == Mode::Route {
-            retry_where_listed(h, w, &choice);
         }
         let rec = w
             .router
@@ -618,10 +623,7 @@ fn write_destination<H: Host>(h: &H, w: &Worker, choice: &Choice) -> Option<Endp
 /// refused connection by its route's policy; the route's `num_retries`
 /// (1 when it has no retry policy) bounds how far. A 404 from a model
 /// server for a response it doesn't hold means nothing ran.
-fn retry_where_listed<H: Host>(h: &H, w: &Worker, choice: &Choice) {
-    if w.router.listed(choice).len() < 2 {
-        return;
-    }
+fn retry_where_listed<H: Host>(h: &H, w: &Worker) {
     for (name, value) in [
         ("x-envoy-retry-on", "retriable-status-codes"),
         ("x-envoy-retriable-status-codes", "404"),

@@ -1,8 +1,8 @@
 //! Where a stored response is, and where it is looked for: the replica
 //! it is named after, then that replica's successors.
 
-use super::gateways::rendezvous;
-use super::Candidate;
+use super::gateways::rendezvous_order;
+use super::{to_front, Candidate};
 use crate::endpoint::ReplicaId;
 
 /// The order a response named after `home` is stored in, and looked for
@@ -22,11 +22,9 @@ use crate::endpoint::ReplicaId;
 /// instead, as before, spread them, and left every one stored where no
 /// follow-up looked.
 pub(super) fn looked_in(cands: &[Candidate], home: ReplicaId) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..cands.len()).collect();
-    // The home first (its weight is irrelevant), then by weight.
-    order.sort_by_key(|&i| {
-        let id = cands[i].id;
-        (id != home, std::cmp::Reverse(rendezvous(home, id)))
-    });
+    let mut order = rendezvous_order(cands, home);
+    if let Some(h) = cands.iter().position(|c| c.id == home) {
+        to_front(&mut order, h);
+    }
     order
 }
