@@ -294,6 +294,28 @@ impl PrefixIndex {
         })
     }
 
+    /// The prompt recorded on `replica` was refused there (a 4xx, a 503):
+    /// nothing ran, so it holds only what it held before it was credited
+    /// (`held` blocks). Left as recorded, every request sharing the prompt
+    /// was sent to a replica that never computed it (a 429 from a replica
+    /// that is rate limiting drew the next request with that prefix back).
+    /// One write per checkpoint deeper than `held`; an entry left without
+    /// holders reads as absent.
+    pub fn uncredit<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        replica: ReplicaId,
+        held: u32,
+    ) -> RecordStats {
+        self.write_each(store, cps, held, |entries, cp, _| {
+            if let Some(e) = entries.iter_mut().find(|e| e.hash == cp.hash) {
+                e.holders.retain(|h| h.id != replica);
+            }
+            (0, 0)
+        })
+    }
+
     /// Apply `edit` to the entry of each checkpoint deeper than `skip_to`
     /// blocks, one compare-and-swap each; `edit` gets the bucket, the
     /// checkpoint and what follows it if that is comparable (on the
@@ -674,6 +696,25 @@ mod tests {
         idx.moved(&s, &long, 2, 0, 1, 104);
         let m = idx.lookup(&s, &long);
         assert_eq!((m.get(1), m.get(2), m.get(3)), (64, 0, 40));
+    }
+
+    #[test]
+    fn a_refused_prompt_leaves_only_what_its_replica_held_before() {
+        let s = MemStore::new();
+        let idx = PrefixIndex::new(4096);
+        let long = hashes("doc-three ", 64);
+        // Replica 1 held 16 blocks and was credited with all 64; replica 2
+        // holds 40 of them on its own.
+        idx.record(&s, upto(&long, 16), 1, 0, 0, 100);
+        idx.record(&s, upto(&long, 40), 2, 0, 0, 100);
+        idx.record(&s, &long, 1, 16, 100, 101);
+        let r = idx.uncredit(&s, &long, 1, 16);
+        assert_eq!(r.failed, 0);
+        assert!(r.writes as usize <= long.len() && r.writes > 0);
+        let m = idx.lookup(&s, &long);
+        assert_eq!((m.get(1), m.get(2)), (16, 40));
+        // Nobody else held the rest: it reads as absent, not as a holder.
+        assert_eq!(m.branch.map(|b| b.held), Some(40));
     }
 
     #[test]

@@ -167,6 +167,10 @@ class Backend:
                             "body_ends": (body[:128], body[-64:]),
                         }
                     )
+                # A refusal the request asks for (a 429, a 400): nothing ran.
+                refusal = int(self.headers.get("x-test-status") or 0)
+                if refusal:
+                    return self._reply(refusal, b"refused")
                 delay = backend.delay_s + int(self.headers.get("x-test-delay-ms") or 0) / 1000
                 if delay:
                     time.sleep(delay)

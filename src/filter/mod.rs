@@ -114,8 +114,9 @@ struct Routed {
 }
 
 /// What the index credited the pick with: the prompt's checkpoints, and
-/// what the pick held before. Kept only with affinity on (the one case the
-/// response is read for the replica that served it), until then.
+/// what the pick held before. Kept until the response headers, which may
+/// take the credit back (a refusal) or move it (served elsewhere, with
+/// affinity on).
 struct Credited {
     checkpoints: Vec<Checkpoint>,
     held: u32,
@@ -255,12 +256,18 @@ impl HttpFilter {
         if let Some(d) = &self.debug {
             let _ = h.replace_header(Map::Response, DEBUG_HEADER, d);
         }
+        if self.routed.is_none() {
+            return Action::Continue;
+        }
+        let status = h.response_status();
+        if status.is_some_and(refused) {
+            self.uncredit(h);
+        }
         let affinity_on =
             (self.worker.as_ref()).is_some_and(|w| w.borrow().router.config.affinity.is_some());
         // A failed response (an upstream 5xx, or Envoy's own 503 or 504
         // once retries ran out) names no replica to come back to.
-        let status = h.response_status();
-        if !affinity_on || self.routed.is_none() || status.is_none_or(|s| s >= 500) {
+        if !affinity_on || status.is_none_or(|s| s >= 500) {
             return Action::Continue;
         }
         let success = status.is_some_and(|s| (200..300).contains(&s));
@@ -285,6 +292,25 @@ impl HttpFilter {
             }
         }
         Action::Continue
+    }
+
+    /// The pick was credited with the prompt when the request was sent;
+    /// a refusal ran nothing there (see `refused`), so the credit goes.
+    /// Before any move to the replica that answered: a refusal moves no
+    /// prompt either.
+    fn uncredit<H: Host>(&mut self, h: &H) {
+        let (Some(routed), Some(w)) = (self.routed, &self.worker) else {
+            return;
+        };
+        let w = w.borrow();
+        w.stats.index_uncredited.inc(h);
+        let Some(c) = self.credited.take() else {
+            return;
+        };
+        let r = (w.router).uncredit(h.store(), &c.checkpoints, routed.replica, c.held);
+        if r.failed > 0 {
+            w.stats.index_write_failures.add(h, i64::from(r.failed));
+        }
     }
 
     /// Envoy may have served the request elsewhere than the pick: the
@@ -444,7 +470,7 @@ impl HttpFilter {
             replica: ep.id(),
             work: choice.work,
         });
-        if w.router.config.affinity.is_some() && !hashed.is_empty() {
+        if !hashed.is_empty() {
             self.credited = Some(Credited {
                 checkpoints: hashed.checkpoints,
                 held: choice.matched,
@@ -645,6 +671,16 @@ fn trap_if_asked(w: &Worker) {
             panic!("prefix-router: debug_trap_on_request reached ({})", w.seq);
         }
     }
+}
+
+/// A response that says the request ran nowhere: a 4xx (a 429 from a
+/// replica that is rate limiting, a 404 for a stored response it doesn't
+/// hold, a 400) or a 503 (a refused connection once retries ran out, an
+/// overloaded server). Not a 500, 502 or 504: the prompt may have been
+/// computed before the server failed or Envoy gave up waiting, and a
+/// model server keeps the blocks it computed.
+fn refused(status: u16) -> bool {
+    (400..500).contains(&status) || status == 503
 }
 
 fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {

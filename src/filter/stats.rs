@@ -174,6 +174,9 @@ pub struct Stats {
     pub index_evictions: Metric,
     pub index_cas_retries: Metric,
     pub index_write_failures: Metric,
+    /// Routed requests answered with a refusal (`filter::refused`): the
+    /// index no longer credits their pick with the prompt.
+    pub index_uncredited: Metric,
     pub shed_429: Metric,
     pub shadow_requests: Metric,
     pub shadow_matched: Metric,
@@ -228,6 +231,7 @@ impl Stats {
             index_evictions: c("index.evictions"),
             index_cas_retries: c("index.cas_retries"),
             index_write_failures: c("index.write_failures"),
+            index_uncredited: c("index.uncredited"),
             shed_429: c("shed_429"),
             shadow_requests: c("shadow.requests"),
             shadow_matched: c("shadow.matched_blocks_total"),

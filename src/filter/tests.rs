@@ -905,6 +905,62 @@ fn a_request_served_elsewhere_moves_its_load_and_its_token_there() {
     assert_eq!(fake.stat("served_elsewhere"), 1);
 }
 
+#[test]
+fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
+    // Refusals ran nothing; a 500, 502 or 504 may have computed the prompt
+    // before failing, and a success did.
+    for (status, uncredited) in [
+        (429, true),
+        (404, true),
+        (400, true),
+        (503, true),
+        (200, false),
+        (500, false),
+        (502, false),
+        (504, false),
+    ] {
+        for affinity in ["", &format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#)] {
+            let fake = Fake::new();
+            let w = worker(&fake, affinity);
+            // The pick held the document's first half before; the refusal
+            // takes back only the rest.
+            let half = completion(&"Document 1: ".repeat(50));
+            let mut s = post(&fake, &w, &[], &half);
+            let pick = fake.header(Map::Request, DEST).unwrap();
+            let pick = pick.split(',').next().unwrap().to_string();
+            fake.respond(200);
+            s.on_response_headers(&fake);
+            s.on_log(&fake);
+            let mut s = post(&fake, &w, &[], &doc(1));
+            assert_eq!(
+                fake.header(Map::Request, DEST).unwrap().split(',').next(),
+                Some(pick.as_str())
+            );
+            *fake.upstream.borrow_mut() = Some(pick.clone());
+            fake.respond(status);
+            s.on_response_headers(&fake);
+            s.on_log(&fake);
+            // The same prompt again finds on the pick what it holds.
+            let mut s = post(&fake, &w, &[], &doc(1));
+            let (held, blocks) = (fake.stat("matched_blocks"), fake.stat("request_blocks"));
+            s.on_log(&fake);
+            match uncredited {
+                true => assert!(
+                    0 < held && held <= blocks / 2,
+                    "{status}: {held} of {blocks}"
+                ),
+                false => assert_eq!(held, blocks, "{status}"),
+            }
+            assert_eq!(
+                fake.stat("index.uncredited"),
+                i64::from(uncredited),
+                "{status}"
+            );
+            assert_eq!(in_flight(&fake), HashMap::new(), "{status}");
+        }
+    }
+}
+
 /// The stat names in README's Stats table, braces expanded, `<ip_port>`
 /// left as is, each with the `prefix_router.` prefix.
 fn documented_stats() -> Vec<String> {

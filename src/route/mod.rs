@@ -733,6 +733,18 @@ impl Router {
         self.index.moved(store, cps, from, from_held, to, now_s)
     }
 
+    /// A request committed to `replica` was refused there: its prompt
+    /// leaves the index (see `PrefixIndex::uncredit`).
+    pub fn uncredit<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        replica: ReplicaId,
+        held: u32,
+    ) -> RecordStats {
+        self.index.uncredit(store, cps, replica, held)
+    }
+
     /// A human-readable account of the decision, for the debug header.
     pub fn explain(&self, choice: &Choice, why: &Diagnostics) -> String {
         let pick = choice.order.first().and_then(|&i| self.endpoint(i));

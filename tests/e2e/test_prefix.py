@@ -60,6 +60,30 @@ def test_groups_stick_to_one_replica_and_spread_over_the_pool():
         assert envoy.stat("prefix_router.decision.new_prefix") == 20
 
 
+def test_a_prompt_a_replica_refused_is_not_looked_for_there():
+    # A 429 (a replica rate limiting) or a 400 ran nothing: the next
+    # request with the prompt is placed as new, not sent back to it.
+    with backends(4) as bs, start([b.addr for b in bs], concurrency=2) as envoy:
+        for g in range(8):
+            refusal = (b"429", b"400")[g % 2]
+            status, headers, _ = request(
+                envoy.port, body=completion(doc(g) + " Q0?"), headers=[("x-test-status", refusal)]
+            )
+            assert status == int(refusal)
+            assert "reason=new_prefix" in headers["x-prefix-router-debug"], headers
+            status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q1?"))
+            assert status == 200
+            assert "reason=new_prefix" in headers["x-prefix-router-debug"], headers
+            home = headers["x-served-by"]
+            # What did run is found where it ran.
+            status, headers, _ = request(envoy.port, body=completion(doc(g) + " Q2?"))
+            assert status == 200 and headers["x-served-by"] == home
+            assert "reason=prefix_hit" in headers["x-prefix-router-debug"], headers
+        assert envoy.stat("prefix_router.index.uncredited") == 8
+        assert envoy.stat("prefix_router.decision.new_prefix") == 16
+        assert envoy.stat("prefix_router.decision.prefix_hit") == 8
+
+
 def test_a_hot_prefix_spills_to_a_second_replica_not_a_third():
     with backends(4) as bs, start([b.addr for b in bs]) as envoy:
         hot = "Hot system prompt shared by everyone. " + "Policy text. " * 600  # ~8 KiB
