@@ -111,6 +111,8 @@ impl Worker {
 struct Routed {
     replica: ReplicaId,
     work: u64,
+    /// It counts as new content placed there (`route::placed_branch`).
+    branch: bool,
 }
 
 /// What the index credited the pick with: the prompt's checkpoints, and
@@ -260,7 +262,7 @@ impl HttpFilter {
             return Action::Continue;
         }
         let status = h.response_status();
-        if status.is_some_and(refused) {
+        if status.is_some_and(ran_nothing) {
             self.uncredit(h);
         }
         let affinity_on =
@@ -295,15 +297,20 @@ impl HttpFilter {
     }
 
     /// The pick was credited with the prompt when the request was sent;
-    /// a refusal ran nothing there (see `refused`), so the credit goes.
+    /// a refusal ran nothing there (see `ran_nothing`), so the credit goes.
     /// Before any move to the replica that answered: a refusal moves no
     /// prompt either.
     fn uncredit<H: Host>(&mut self, h: &H) {
-        let (Some(routed), Some(w)) = (self.routed, &self.worker) else {
+        let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
             return;
         };
-        let w = w.borrow();
+        let mut w = w.borrow_mut();
         w.stats.index_uncredited.inc(h);
+        // Nor did new content start there (a session's first turn that a
+        // replica refused is placed again, elsewhere or later).
+        if std::mem::take(&mut routed.branch) {
+            w.board.withdraw_branch(routed.replica);
+        }
         let Some(c) = self.credited.take() else {
             return;
         };
@@ -352,8 +359,14 @@ impl HttpFilter {
         }
         let now = h.now_ms();
         w.board.finish(h.store(), routed.replica, routed.work, now);
+        // New content placed on the pick (a session's first turn) started
+        // where it was served: the next session counts it there.
+        if routed.branch {
+            w.board.withdraw_branch(routed.replica);
+        }
         let moved = Start {
             work: routed.work,
+            branch: routed.branch,
             ..Start::default()
         };
         w.board.start(h.store(), served.id(), moved, now);
@@ -469,6 +482,7 @@ impl HttpFilter {
         self.routed = Some(Routed {
             replica: ep.id(),
             work: choice.work,
+            branch: crate::route::placed_branch(&choice, ep.id()),
         });
         if !hashed.is_empty() {
             self.credited = Some(Credited {
@@ -679,7 +693,7 @@ fn trap_if_asked(w: &Worker) {
 /// overloaded server). Not a 500, 502 or 504: the prompt may have been
 /// computed before the server failed or Envoy gave up waiting, and a
 /// model server keeps the blocks it computed.
-fn refused(status: u16) -> bool {
+fn ran_nothing(status: u16) -> bool {
     (400..500).contains(&status) || status == 503
 }
 

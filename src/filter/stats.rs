@@ -174,7 +174,7 @@ pub struct Stats {
     pub index_evictions: Metric,
     pub index_cas_retries: Metric,
     pub index_write_failures: Metric,
-    /// Routed requests answered with a refusal (`filter::refused`): the
+    /// Routed requests answered with a refusal (`filter::ran_nothing`): the
     /// index no longer credits their pick with the prompt.
     pub index_uncredited: Metric,
     pub shed_429: Metric,

@@ -961,6 +961,60 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
     }
 }
 
+/// New content placed per replica lately (`load::Load::branches`), as the
+/// next placement of new content reads it.
+fn branches(fake: &Fake) -> HashMap<ReplicaId, u32> {
+    load::snapshot(&fake.store, fake.now.get(), 60_000)
+        .into_iter()
+        .filter(|(_, l)| l.branches > l.withdrawn)
+        .map(|(id, l)| (id, l.branches - l.withdrawn))
+        .collect()
+}
+
+#[test]
+fn new_content_counts_where_it_started_not_where_it_was_refused() {
+    let fake = Fake::new();
+    let w = worker(&fake, &format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#));
+    let first = |s: &str| s.split(',').next().unwrap().to_string();
+    // Served by the pick: counted there.
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let pick = first(&fake.header(Map::Request, DEST).unwrap());
+    *fake.upstream.borrow_mut() = Some(pick.clone());
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    s.on_log(&fake);
+    assert_eq!(branches(&fake), [(id_of(&pick), 1)].into());
+    // Refused (a 429): counted nowhere.
+    let mut s = post(&fake, &w, &[], &doc(2));
+    let refused = first(&fake.header(Map::Request, DEST).unwrap());
+    *fake.upstream.borrow_mut() = Some(refused.clone());
+    fake.respond(429);
+    s.on_response_headers(&fake);
+    s.on_log(&fake);
+    assert_eq!(
+        branches(&fake),
+        [(id_of(&pick), 1)].into(),
+        "{refused} refused"
+    );
+    // Served elsewhere (the pick refused the connection): counted there.
+    let mut s = post(&fake, &w, &[], &doc(3));
+    let third = first(&fake.header(Map::Request, DEST).unwrap());
+    let other = POOL
+        .iter()
+        .find(|&&e| e != third && e != pick)
+        .unwrap()
+        .to_string();
+    *fake.upstream.borrow_mut() = Some(other.clone());
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    s.on_log(&fake);
+    assert_eq!(
+        branches(&fake),
+        [(id_of(&pick), 1), (id_of(&other), 1)].into(),
+        "{third}"
+    );
+}
+
 /// The stat names in README's Stats table, braces expanded, `<ip_port>`
 /// left as is, each with the `prefix_router.` prefix.
 fn documented_stats() -> Vec<String> {

@@ -183,6 +183,19 @@ pub struct Shadow {
     pub ours_matched: u32,
 }
 
+/// Whether committing `choice` to `pick` places new content there, for
+/// spreading later new content (`load::Load::branches`): all the pick
+/// didn't hold, a copy of a shared trunk included. That is a real
+/// prefill, and each replica's first copy counts once; left out, only the
+/// trunk's first holder was charged for it and it got a fraction of the
+/// documents that followed. A session placed anew counts once: where it
+/// stays, or where it moved to (and no longer at its `home`).
+pub fn placed_branch(choice: &Choice, pick: ReplicaId) -> bool {
+    let branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch)
+        || (choice.reason == Reason::LoadSpill && choice.home.is_some());
+    branch && choice.home.is_none_or(|home| home != pick)
+}
+
 /// A priority header value that marks a request as droppable under
 /// saturation: `sheddable`/`low`/`batch`, or a negative number (the
 /// Inference Extension's convention: below zero is sheddable).
@@ -678,20 +691,9 @@ impl Router {
         let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
             return RecordStats::default();
         };
-        // New content placed there, for spreading later new content: all
-        // the pick didn't hold, a copy of a shared trunk included. That is
-        // a real prefill, and each replica's first copy counts once; left
-        // out, only the trunk's first holder was charged for it and it got
-        // a fraction of the documents that followed.
-        let mut branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch)
-            || (choice.reason == Reason::LoadSpill && choice.home.is_some());
-        if let Some(home) = choice.home {
-            // A session placed anew counts once: where it stays, or where
-            // it moved to (and no longer where it was).
-            branch &= home != ep.id();
-            if branch {
-                board.withdraw_branch(home);
-            }
+        let branch = placed_branch(choice, ep.id());
+        if let (true, Some(home)) = (branch, choice.home) {
+            board.withdraw_branch(home);
         }
         let started = Start {
             work: choice.work,
