@@ -5,6 +5,7 @@ Pure Python: no Envoy, no simulator."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -113,3 +114,16 @@ def test_the_responses_workload_parses_the_api_and_names_responses_on_every_inst
     finally:
         orchestrate.PLUGIN_EXTRA.clear()
     assert both["affinity"] == {"key": orchestrate.AFFINITY_KEY, "response_ids": True, "clients_echo": True}
+
+
+def test_the_committed_example_report_has_every_workload_and_every_router():
+    # A workload added to `scripts/bench` stays in the report from then on,
+    # the committed example included (README's tables come from it).
+    results = json.loads((BENCH / "results" / "example" / "results.json").read_text())
+    text = (BENCH / "results" / "example" / "report.md").read_text()
+    for w in orchestrate.WORKLOADS:
+        assert f"\n## {w} (" in text, w
+        assert (BENCH / "results" / "example" / f"{w}-bars.png").is_file(), w
+    for w in orchestrate.WORKLOADS:
+        routers = {r["router"] for r in results["workloads"][w]["runs"]}
+        assert routers == set(orchestrate.ALL_ROUTERS), (w, routers)
