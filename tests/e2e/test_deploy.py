@@ -1203,6 +1203,7 @@ def test_dashboard_and_alerts_only_use_emitted_or_vllm_metrics(emitted):
         "prefix_router_decision_stored_response",
         "prefix_router_shed_429",
         "prefix_router_unavailable_503",
+        "prefix_router_index_uncredited",
         "prefix_router_replica_scrapes_failed",
         "prefix_router_eligible_replicas",
         "prefix_router_replica_inflight",
