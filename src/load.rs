@@ -232,6 +232,17 @@ impl LoadBoard {
         }
     }
 
+    /// Undo a `withdraw_branch` of `id`: the move it recorded didn't
+    /// happen (the replica it went to refused the turn). Published with the
+    /// next `start` or `finish`.
+    pub fn restore_branch(&mut self, id: ReplicaId) {
+        let l = self.local.entry(id).or_default();
+        match l.withdrawn.checked_sub(1) {
+            Some(n) => l.withdrawn = n,
+            None => l.branches = l.branches.saturating_add(1),
+        }
+    }
+
     pub fn finish<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
         if let Some(l) = self.local.get_mut(&id) {
             l.requests = l.requests.saturating_sub(1);

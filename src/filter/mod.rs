@@ -113,6 +113,9 @@ struct Routed {
     work: u64,
     /// It counts as new content placed there (`route::placed_branch`).
     branch: bool,
+    /// The session's replica before, which the commit stopped counting it
+    /// on (`Choice::home`, when the session moved to the pick).
+    moved_from: Option<ReplicaId>,
 }
 
 /// What the index credited the pick with: the prompt's checkpoints, and
@@ -300,20 +303,31 @@ impl HttpFilter {
     /// a refusal ran nothing there (see `ran_nothing`), so the credit goes.
     /// Before any move to the replica that answered: a refusal moves no
     /// prompt either.
+    ///
+    /// The credit isn't per request: another request sent there while
+    /// this one was in flight found the prompt credited, and if the
+    /// replica served it (it computed the prompt) while refusing this one,
+    /// the index loses that copy too, and the next request with the
+    /// prompt is placed as new (one prefill more). A refusal comes back
+    /// at once, so the window is short.
     fn uncredit<H: Host>(&mut self, h: &H) {
         let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
             return;
         };
         let mut w = w.borrow_mut();
-        w.stats.index_uncredited.inc(h);
-        // Nor did new content start there (a session's first turn that a
-        // replica refused is placed again, elsewhere or later).
+        // Nor did new content start there: a session's first turn is placed
+        // again, elsewhere or later, and a session the turn moved is still
+        // where it was.
         if std::mem::take(&mut routed.branch) {
             w.board.withdraw_branch(routed.replica);
+            if let Some(home) = routed.moved_from.take() {
+                w.board.restore_branch(home);
+            }
         }
         let Some(c) = self.credited.take() else {
             return;
         };
+        w.stats.index_uncredited.inc(h);
         let r = (w.router).uncredit(h.store(), &c.checkpoints, routed.replica, c.held);
         if r.failed > 0 {
             w.stats.index_write_failures.add(h, i64::from(r.failed));
@@ -479,10 +493,12 @@ impl HttpFilter {
         let rec = w
             .router
             .commit(h.store(), &mut w.board, &choice, &hashed, now);
+        let branch = crate::route::placed_branch(&choice, ep.id());
         self.routed = Some(Routed {
             replica: ep.id(),
             work: choice.work,
-            branch: crate::route::placed_branch(&choice, ep.id()),
+            branch,
+            moved_from: choice.home.filter(|_| branch),
         });
         if !hashed.is_empty() {
             self.credited = Some(Credited {
@@ -689,12 +705,12 @@ fn trap_if_asked(w: &Worker) {
 
 /// A response that says the request ran nowhere: a 4xx (a 429 from a
 /// replica that is rate limiting, a 404 for a stored response it doesn't
-/// hold, a 400) or a 503 (a refused connection once retries ran out, an
-/// overloaded server). Not a 500, 502 or 504: the prompt may have been
-/// computed before the server failed or Envoy gave up waiting, and a
-/// model server keeps the blocks it computed.
+/// hold, a 400), a 3xx (a redirect) or a 503 (a refused connection once
+/// retries ran out, an overloaded server). Not a 500, 502 or 504: the
+/// prompt may have been computed before the server failed or Envoy gave
+/// up waiting, and a model server keeps the blocks it computed.
 fn ran_nothing(status: u16) -> bool {
-    (400..500).contains(&status) || status == 503
+    (300..500).contains(&status) || status == 503
 }
 
 fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {

@@ -174,8 +174,9 @@ pub struct Stats {
     pub index_evictions: Metric,
     pub index_cas_retries: Metric,
     pub index_write_failures: Metric,
-    /// Routed requests answered with a refusal (`filter::ran_nothing`): the
-    /// index no longer credits their pick with the prompt.
+    /// Routed requests with a prompt answered with a refusal
+    /// (`filter::ran_nothing`): the index no longer credits their pick
+    /// with it.
     pub index_uncredited: Metric,
     pub shed_429: Metric,
     pub shadow_requests: Metric,

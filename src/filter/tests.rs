@@ -914,6 +914,7 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
         (404, true),
         (400, true),
         (503, true),
+        (307, true),
         (200, false),
         (500, false),
         (502, false),
@@ -966,8 +967,8 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
 fn branches(fake: &Fake) -> HashMap<ReplicaId, u32> {
     load::snapshot(&fake.store, fake.now.get(), 60_000)
         .into_iter()
-        .filter(|(_, l)| l.branches > l.withdrawn)
-        .map(|(id, l)| (id, l.branches - l.withdrawn))
+        .filter(|(_, l)| l.branches > 0)
+        .map(|(id, l)| (id, l.branches))
         .collect()
 }
 
@@ -1013,6 +1014,56 @@ fn new_content_counts_where_it_started_not_where_it_was_refused() {
         [(id_of(&pick), 1), (id_of(&other), 1)].into(),
         "{third}"
     );
+}
+
+#[test]
+fn a_refused_turn_leaves_its_session_counted_where_it_was() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let turn = |t: usize| crate::route::tests::agent(0, t).into_bytes();
+    let serve = |body: &[u8], status: u16| -> String {
+        let mut s = post(&fake, &w, &[], body);
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        let pick = pick.split(',').next().unwrap().to_string();
+        *fake.upstream.borrow_mut() = Some(pick.clone());
+        fake.respond(status);
+        s.on_response_headers(&fake);
+        s.on_log(&fake);
+        pick
+    };
+    serve(&turn(0), 200);
+    serve(&turn(1), 200);
+    let home = serve(&turn(2), 200);
+    assert_eq!(serve(&turn(2), 200), home);
+    let before = branches(&fake);
+    // The home is busy (another VM's long turn): the next turn spills,
+    // and is refused there (a 429). The session is still at home.
+    let mut other = load::LoadBoard::new(99, 60_000);
+    let busy = load::Start {
+        work: 6_000,
+        ..load::Start::default()
+    };
+    other.start(&fake.store, id_of(&home), busy, fake.now.get());
+    let spills = fake.stat("decision.load_spill");
+    let went = serve(&turn(3), 429);
+    assert_eq!(fake.stat("decision.load_spill"), spills + 1, "{went}");
+    assert_ne!(went, home);
+    other.finish(&fake.store, id_of(&home), 6_000, fake.now.get());
+    assert_eq!(branches(&fake), before, "home {home}, refused at {went}");
+}
+
+#[test]
+fn a_refusal_with_no_prompt_credited_is_not_counted_uncredited() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    fake.start(&[(":method", b"GET"), (":path", b"/v1/models/nope")], b"");
+    let mut s = HttpFilter::new(Some(w.clone()));
+    s.on_request_headers(&fake, true);
+    assert!(fake.header(Map::Request, DEST).is_some());
+    fake.respond(404);
+    s.on_response_headers(&fake);
+    s.on_log(&fake);
+    assert_eq!(fake.stat("index.uncredited"), 0);
 }
 
 /// The stat names in README's Stats table, braces expanded, `<ip_port>`

@@ -131,7 +131,7 @@ fn a_short_question_after_a_deep_document_stays_with_it() {
 
 /// An agent session's `turns`-th request: the 40 KB shared preamble,
 /// its task (about 15 blocks), then a 6 KB tool result per turn.
-fn agent(session: usize, turns: usize) -> String {
+pub(crate) fn agent(session: usize, turns: usize) -> String {
     let preamble =
         "You are a careful assistant. Tools: search(query), fetch(url). ".repeat(40_000 / 64);
     let task = format!("Task {session}: make the build green. ").repeat(30);
