@@ -531,6 +531,26 @@ impl Config {
         self.affinity.as_ref().filter(|a| a.response_ids)
     }
 
+    /// Settings that are valid but work against each other, for the
+    /// operator to read once when the plugin starts.
+    pub fn advice(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.response_ids().is_some() && self.max_fallbacks == 0 {
+            // The plugin's default: a stored create its pick refuses is
+            // then retried by the cluster's fallback policy, anywhere, and
+            // no follow-up looks there (a 404 for the rest of the
+            // conversation).
+            notes.push(
+                "`affinity.response_ids` with `max_fallbacks` 0: a stored response whose \
+                 replica refuses its create is stored where no follow-up looks \
+                 (`responses.misplaced`); with override_host, set `max_fallbacks` >= 1 \
+                 and a retry policy on the route"
+                    .to_string(),
+            );
+        }
+        notes
+    }
+
     /// Exact match on the path without its query string.
     pub fn is_inference_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or("");
@@ -682,6 +702,23 @@ mod tests {
     /// its samples (and the operators' guide's) are what operators paste:
     /// both must hold for this
     /// build (a default changed in code, a key renamed, a stale sample).
+    #[test]
+    fn stored_responses_without_a_fallback_address_are_advised_against() {
+        let key = "0123456789abcdef0123456789abcdef-test";
+        let with = |extra: &str| {
+            let json = format!(
+                r#"{{"endpoints":["10.0.0.1:80"],"affinity":{{"key":"{key}","response_ids":true}}{extra}}}"#
+            );
+            Config::parse(json.as_bytes()).unwrap().advice()
+        };
+        let advice = with("");
+        assert_eq!(advice.len(), 1);
+        assert!(advice[0].contains("`max_fallbacks`"), "{advice:?}");
+        assert!(with(r#","max_fallbacks":1"#).is_empty());
+        let plain = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).unwrap();
+        assert!(plain.advice().is_empty());
+    }
+
     #[test]
     fn the_readme_states_the_real_defaults_and_its_samples_parse() {
         let readme = include_str!("../README.md");

@@ -106,6 +106,9 @@ impl RootContext for Root {
             router.config.static_endpoints.len(),
             router.config.destination_header
         );
+        for note in router.config.advice() {
+            log::warn!("prefix-router: {note}");
+        }
         // The discovered pool and the replica table are in shared data
         // already when this root context is a config change or a reload
         // (FAIL_RELOAD reloads on the request path): read them now, not

@@ -445,3 +445,18 @@ def test_a_long_stored_request_is_renamed_whole_with_its_length():
         assert got["body_len"] == len(body) + len(b'"request_id":"",') + 77
         assert got["headers"]["content-length"] == str(got["body_len"])
         assert gw.stat("prefix_router.responses.named") == 1
+
+
+def test_stored_responses_without_a_fallback_address_are_warned_about_at_start():
+    # With `max_fallbacks` 0 (the default) a create its replica refuses is
+    # stored where no follow-up looks: the operator is told once, at start.
+    affinity = {"inference_paths": ["/v1/responses"], "affinity": {"key": KEY, "response_ids": True}}
+    advice = "`affinity.response_ids` with `max_fallbacks` 0"
+    with backends(1) as (b,):
+        with filter_envoy([b.addr], affinity) as gw:
+            assert request(gw.port, body=completion("hello there"))[0] == 200
+            assert advice in gw.log()
+        with filter_envoy([b.addr], {**affinity, "max_fallbacks": 1}) as gw:
+            assert request(gw.port, body=completion("hello there"))[0] == 200
+            assert "configured with 1 replicas" in gw.log()
+            assert advice not in gw.log()
