@@ -26,7 +26,7 @@ use crate::index::RecordStats;
 use crate::load::{LoadBoard, Start};
 use crate::prefix::{Checkpoint, Probe};
 use crate::request::{Header, Responses};
-use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Reject, Router};
+use crate::route::{is_sheddable, Choice, Diagnostics, Hashed, Meta, Placed, Reject, Router};
 use crate::score::Reason;
 use crate::store::Store;
 use stats::{Metrics, Stats};
@@ -111,11 +111,8 @@ impl Worker {
 struct Routed {
     replica: ReplicaId,
     work: u64,
-    /// It counts as new content placed there (`route::placed_branch`).
-    branch: bool,
-    /// The session's replica before, which the commit stopped counting it
-    /// on (`Choice::home`, when the session moved to the pick).
-    moved_from: Option<ReplicaId>,
+    /// What it counted as new content placed there.
+    placed: Placed,
 }
 
 /// What the index credited the pick with: the prompt's checkpoints, and
@@ -318,10 +315,12 @@ impl HttpFilter {
         // Nor did new content start there: a session's first turn is placed
         // again, elsewhere or later, and a session the turn moved is still
         // where it was.
-        if std::mem::take(&mut routed.branch) {
-            w.board.withdraw_branch(routed.replica);
-            if let Some(home) = routed.moved_from.take() {
-                w.board.restore_branch(home);
+        match std::mem::take(&mut routed.placed) {
+            Placed::Nothing => {}
+            Placed::New => w.board.withdraw_branch(routed.replica),
+            Placed::Moved { from } => {
+                w.board.withdraw_branch(routed.replica);
+                w.board.restore_branch(from);
             }
         }
         let Some(c) = self.credited.take() else {
@@ -375,12 +374,12 @@ impl HttpFilter {
         w.board.finish(h.store(), routed.replica, routed.work, now);
         // New content placed on the pick (a session's first turn) started
         // where it was served: the next session counts it there.
-        if routed.branch {
+        if routed.placed.counts() {
             w.board.withdraw_branch(routed.replica);
         }
         let moved = Start {
             work: routed.work,
-            branch: routed.branch,
+            branch: routed.placed.counts(),
             ..Start::default()
         };
         w.board.start(h.store(), served.id(), moved, now);
@@ -490,15 +489,13 @@ impl HttpFilter {
                 self.named = listed;
             }
         }
-        let rec = w
+        let (rec, placed) = w
             .router
             .commit(h.store(), &mut w.board, &choice, &hashed, now);
-        let branch = crate::route::placed_branch(&choice, ep.id());
         self.routed = Some(Routed {
             replica: ep.id(),
             work: choice.work,
-            branch,
-            moved_from: choice.home.filter(|_| branch),
+            placed,
         });
         if !hashed.is_empty() {
             self.credited = Some(Credited {

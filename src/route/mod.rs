@@ -183,17 +183,39 @@ pub struct Shadow {
     pub ours_matched: u32,
 }
 
-/// Whether committing `choice` to `pick` places new content there, for
-/// spreading later new content (`load::Load::branches`): all the pick
+/// What committing a request counted as new content placed on its pick,
+/// for spreading later new content (`load::Load::branches`): all the pick
 /// didn't hold, a copy of a shared trunk included. That is a real
 /// prefill, and each replica's first copy counts once; left out, only the
 /// trunk's first holder was charged for it and it got a fraction of the
 /// documents that followed. A session placed anew counts once: where it
 /// stays, or where it moved to (and no longer at its `home`).
-pub fn placed_branch(choice: &Choice, pick: ReplicaId) -> bool {
-    let branch = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch)
-        || (choice.reason == Reason::LoadSpill && choice.home.is_some());
-    branch && choice.home.is_none_or(|home| home != pick)
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    #[default]
+    Nothing,
+    /// New content (a document, a session's first turn).
+    New,
+    /// A session that moved off `from`, which stopped counting it.
+    Moved { from: ReplicaId },
+}
+
+impl Placed {
+    pub fn of(choice: &Choice, pick: ReplicaId) -> Placed {
+        let new = matches!(choice.reason, Reason::NewPrefix | Reason::NewBranch)
+            || (choice.reason == Reason::LoadSpill && choice.home.is_some());
+        match choice.home {
+            _ if !new => Placed::Nothing,
+            None => Placed::New,
+            Some(home) if home == pick => Placed::Nothing,
+            Some(from) => Placed::Moved { from },
+        }
+    }
+
+    /// It counts on the pick.
+    pub fn counts(self) -> bool {
+        self != Placed::Nothing
+    }
 }
 
 /// A priority header value that marks a request as droppable under
@@ -679,7 +701,8 @@ impl Router {
             .filter_map(|&i| self.endpoint(i))
     }
 
-    /// Record the pick: in-flight work now, index entries for its prefix.
+    /// Record the pick: in-flight work now, index entries for its prefix,
+    /// and what it counted as new content placed there.
     pub fn commit<S: Store + ?Sized>(
         &self,
         store: &S,
@@ -687,36 +710,37 @@ impl Router {
         choice: &Choice,
         hashed: &Hashed,
         now_ms: u64,
-    ) -> RecordStats {
+    ) -> (RecordStats, Placed) {
         let Some(ep) = choice.order.first().and_then(|&i| self.endpoint(i)) else {
-            return RecordStats::default();
+            return (RecordStats::default(), Placed::Nothing);
         };
-        let branch = placed_branch(choice, ep.id());
-        if let (true, Some(home)) = (branch, choice.home) {
-            board.withdraw_branch(home);
+        let placed = Placed::of(choice, ep.id());
+        if let Placed::Moved { from } = placed {
+            board.withdraw_branch(from);
         }
         let started = Start {
             work: choice.work,
             blocks: choice.blocks,
             held: choice.matched,
-            branch,
+            branch: placed.counts(),
         };
         board.start(store, ep.id(), started, now_ms);
         if hashed.is_empty() {
-            return RecordStats::default();
+            return (RecordStats::default(), placed);
         }
         if let Some(b) = &choice.matches.branch {
             self.index.note_branch(store, &hashed.checkpoints, b);
         }
         let now_s = (now_ms / 1000) as u32;
-        self.index.record(
+        let rec = self.index.record(
             store,
             &hashed.checkpoints,
             ep.id(),
             choice.matched,
             choice.stamped,
             now_s,
-        )
+        );
+        (rec, placed)
     }
 
     /// A request committed to `from` was served by `to`: its prompt moves

@@ -467,7 +467,7 @@ fn index_writes_per_request_are_bounded_whatever_its_length() {
     let body = format!(r#"{{"model":"m","prompt":"{text}"}}"#);
     let h = hashed(&r, &body);
     let c = r.decide(&s, &h, Meta::default(), 0).unwrap();
-    let rec = r.commit(&s, &mut board, &c, &h, 0);
+    let (rec, _) = r.commit(&s, &mut board, &c, &h, 0);
     assert!(
         rec.writes <= 257,
         "{} writes for a 1 MiB prompt",
