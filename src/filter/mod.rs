@@ -267,17 +267,20 @@ impl HttpFilter {
         }
         let affinity_on =
             (self.worker.as_ref()).is_some_and(|w| w.borrow().router.config.affinity.is_some());
-        // A failed response (an upstream 5xx, or Envoy's own 503 or 504
-        // once retries ran out) names no replica to come back to.
-        if !affinity_on || status.is_none_or(|s| s >= 500) {
+        let Some(status) = status.filter(|_| affinity_on) else {
             return Action::Continue;
-        }
-        let success = status.is_some_and(|s| (200..300).contains(&s));
+        };
+        let success = (200..300).contains(&status);
+        // Whatever the status: a 500, 502 or 504 keeps the prompt's credit
+        // (see `ran_nothing`), on the replica that failed it, which is not
+        // the pick when the pick refused the connection first.
         self.follow_the_upstream(h, success);
-        // Nor does a refusal (a 429 from a replica that is rate limiting,
-        // a 404 for a stored response it doesn't hold, a 400): the turn
-        // didn't run there, and the session's replica is where the
-        // client's last token or cookie says.
+        // Only a success names a replica to come back to. Not a failure (an
+        // upstream 5xx, or Envoy's own 503 or 504 once retries ran out),
+        // nor a refusal (a 429 from a replica that is rate limiting, a 404
+        // for a stored response it doesn't hold, a 400): the turn didn't
+        // run there, and the session's replica is where the client's last
+        // token or cookie says.
         if !success {
             return Action::Continue;
         }

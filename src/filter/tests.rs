@@ -962,6 +962,40 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
     }
 }
 
+#[test]
+fn a_failure_served_elsewhere_keeps_its_prompt_where_it_failed() {
+    // The pick refused the connection and Envoy's retry went to `other`,
+    // which failed the request: a 500, 502 or 504 may have computed the
+    // prompt there (it keeps the credit), a 503 ran it nowhere. The pick
+    // ran nothing either way, and no token names anyone.
+    let header = crate::config::DEFAULT_AFFINITY_HEADER;
+    for (status, kept) in [(500, true), (502, true), (504, true), (503, false)] {
+        let fake = Fake::new();
+        let w = worker(&fake, &format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#));
+        let mut s = post(&fake, &w, &[], &doc(1));
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        let pick = pick.split(',').next().unwrap().to_string();
+        let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
+        *fake.upstream.borrow_mut() = Some(other.clone());
+        fake.respond(status);
+        s.on_response_headers(&fake);
+        assert_eq!(fake.header(Map::Response, header), None, "{status}");
+        assert_eq!(in_flight(&fake), [(id_of(&other), 1)].into(), "{status}");
+        s.on_log(&fake);
+        assert_eq!(fake.stat("served_elsewhere"), 1, "{status}");
+        let mut s = post(&fake, &w, &[], &doc(1));
+        let (held, blocks) = (fake.stat("matched_blocks"), fake.stat("request_blocks"));
+        let next = fake.header(Map::Request, DEST).unwrap();
+        s.on_log(&fake);
+        if kept {
+            assert_eq!(next.split(',').next(), Some(other.as_str()), "{status}");
+            assert_eq!(held, blocks, "{status}");
+        } else {
+            assert_eq!(held, 0, "{status}: nobody holds it");
+        }
+    }
+}
+
 /// New content placed per replica lately (`load::Load::branches`), as the
 /// next placement of new content reads it.
 fn branches(fake: &Fake) -> HashMap<ReplicaId, u32> {

@@ -170,6 +170,32 @@ def test_a_request_served_elsewhere_than_the_pick_is_accounted_there():
                 assert f"replica={live.addr};" in headers["x-prefix-router-debug"], headers
 
 
+def test_a_failure_after_a_retry_elsewhere_leaves_its_prompt_where_it_failed():
+    # The pick refuses connections; Envoy's retry reaches the other
+    # replica, which answers 500 (the test backend answers what
+    # x-test-status asks). A 500 may have computed the prompt, the refused
+    # pick did not: asked again, the prompt is looked for where it failed.
+    with backends(2) as (live, dead):
+        plugin = {"max_fallbacks": 1, "debug_header": True, "affinity": {"key": KEY}}
+        with filter_envoy([live.addr, dead.addr], plugin, concurrency=1) as gw:
+            dead.stop()
+            picked_dead = []
+            for g in range(16):
+                status, headers, _ = request(
+                    gw.port, body=completion(doc(g) + " Turn 1?"), headers=[("x-test-status", "500")]
+                )
+                assert status == 500
+                assert AFFINITY not in headers
+                if f"replica={dead.addr};" in headers["x-prefix-router-debug"]:
+                    picked_dead.append(g)
+            assert picked_dead
+            assert gw.stat("prefix_router.served_elsewhere") == len(picked_dead)
+            for g in picked_dead:
+                status, headers, _ = request(gw.port, body=completion(doc(g) + " Turn 1?"))
+                assert status == 200
+                assert f"replica={live.addr}; reason=prefix_hit" in headers["x-prefix-router-debug"], headers
+
+
 def test_with_echoing_clients_sessions_keep_their_replica_across_instances():
     # `clients_echo`: a new session is placed by the instance it reaches,
     # as with one gateway; its later turns, each to a random instance,
