@@ -126,9 +126,9 @@ pub fn check_codec(buf: &[u8]) {
     }
 }
 
-/// What one replica holds of a request: its leading blocks, and when the
-/// deepest checkpoint of them was last stamped there (seconds; what
-/// `record` needs to skip a fresh prefix).
+/// What one replica holds of a request: its leading blocks, and the
+/// oldest stamp the lookup saw on them there (seconds; what `record`
+/// needs to skip a fresh prefix).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
     pub blocks: u32,
@@ -509,9 +509,19 @@ impl<S: Store + ?Sized> Prober<'_, S> {
         if lo == 0 {
             return None;
         }
-        let stamped = self
-            .get(lo - 1)
-            .and_then(|e| e.holders.iter().find(|h| h.id == id).map(|h| h.seen_s))
+        // The oldest stamp of it seen (the first checkpoint's, the deepest
+        // one's, and those probed between), not the deepest one's alone: a
+        // session whose turns come quicker than `REFRESH_S` finds its last
+        // turn's end freshly stamped every time, and if that were all
+        // `record` looked at, its first checkpoints (which every lookup
+        // starts from) would never be re-stamped and would be evicted
+        // first however hot they are.
+        let _ = self.get(lo - 1);
+        let stamped = (self.cache.iter())
+            .filter(|(&j, _)| j < lo)
+            .filter_map(|(_, e)| e.as_ref()?.holders.iter().find(|h| h.id == id))
+            .map(|h| h.seen_s)
+            .min()
             .unwrap_or(0);
         let blocks = self.cps.get(lo - 1).map_or(0, |c| c.blocks);
         Some(Held { blocks, stamped })
@@ -783,6 +793,59 @@ mod tests {
         assert_eq!(total.inserted + total.evicted, 2_000_000);
         let bucket = store::HEADER_BYTES + 1 + WAYS * ENTRY_BYTES;
         assert!(s.bytes() <= idx.capacity() / WAYS * (bucket + 24));
+    }
+
+    /// An agent session whose turns come less than `REFRESH_S` apart: each
+    /// turn's lookup finds the last turn's end freshly stamped, so `record`
+    /// wrote only the new checkpoints, and the session's first ones kept
+    /// their first stamp however hot they were. A bucket under pressure
+    /// then evicted the session's first checkpoint before entries nobody
+    /// had used since long after, and the lookup (which starts at the
+    /// first checkpoint) lost the whole session.
+    #[test]
+    fn a_session_with_quick_turns_keeps_its_start_young() {
+        let s = MemStore::new();
+        let idx = PrefixIndex::new(4096);
+        let turn = |k: usize| hashes("agent turn ", 4 * k);
+        let go = |k: usize, now: u32| {
+            let cps = turn(k);
+            let held = idx
+                .lookup(&s, &cps)
+                .blocks
+                .get(&1)
+                .copied()
+                .unwrap_or_default();
+            idx.record(&s, &cps, 1, held.blocks, held.stamped, now);
+        };
+        let first = turn(1)[0].hash;
+        let bucket = idx.key(first);
+        // Other prompts in the bucket of the session's first checkpoint,
+        // never used again: filled to the brim at t=140.
+        let mut cold = (1u64..).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut fill = |now: u32, n: usize| {
+            for _ in 0..n {
+                let h = cold.by_ref().find(|&h| idx.key(h) == bucket).unwrap();
+                let cp = Checkpoint {
+                    blocks: 4,
+                    hash: h,
+                    on_schedule: true,
+                };
+                idx.record(&s, &[cp], 2, 0, 0, now);
+            }
+        };
+        for k in 1..=20 {
+            go(k, 100 + 2 * k as u32); // t = 102 ..= 140
+        }
+        let len = decode(&s.get(&bucket).0.unwrap_or_default()).len();
+        fill(140, WAYS - len);
+        for k in 21..=30 {
+            go(k, 100 + 2 * k as u32); // t = 142 ..= 160
+        }
+        // One new prompt in that bucket: the stalest entry goes, and that
+        // is one of the cold ones (t=140), not the session's start.
+        fill(161, 1);
+        let m = idx.lookup(&s, &turn(31));
+        assert_eq!(m.get(1), 4 * 30, "the session's history is still found");
     }
 
     #[test]

@@ -253,7 +253,10 @@ impl LoadBoard {
 
     /// Halve placed content once per half-life; forget idle replicas.
     fn decay(&mut self, now_ms: u64) {
-        if self.last_decay_ms == 0 {
+        // After the wall clock steps back (NTP), halving resumes from the
+        // new time: counted from the last halving, nothing decayed until
+        // the clock was back there, as long as the step.
+        if self.last_decay_ms == 0 || now_ms < self.last_decay_ms {
             self.last_decay_ms = now_ms;
         }
         let halvings = now_ms.saturating_sub(self.last_decay_ms) / PLACED_HALF_LIFE_MS;
@@ -722,6 +725,27 @@ pub(crate) mod tests {
         let snap = snapshot(&s, now, 2000);
         assert_eq!(snap.get(&10), None);
         assert_eq!(snap.get(&11).map(|l| l.work), Some(1));
+    }
+
+    /// The wall clock steps back an hour: recent placements still decay
+    /// with their half-life (before: not at all until the clock was back
+    /// where the last halving left it, an hour later, so every placement
+    /// of that hour counted as recent).
+    #[test]
+    fn placements_decay_after_a_clock_step_back() {
+        let s = MemStore::new();
+        let t0 = 10_000_000;
+        let mut w = LoadBoard::new(1, 2000);
+        w.start(&s, 10, started(5, 64, true), t0);
+        w.finish(&s, 10, 5, t0);
+        let back = t0 - 3_600_000;
+        let mut now = back;
+        while now < back + 20 * PLACED_HALF_LIFE_MS {
+            now += 1000;
+            w.heartbeat(&s, now);
+        }
+        assert_eq!(w.local(10), Load::default());
+        assert!(snapshot(&s, now, 2000).is_empty());
     }
 
     /// Replicas come and go (every rollout of a discovered pool brings new
