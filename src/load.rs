@@ -243,6 +243,16 @@ impl LoadBoard {
         }
     }
 
+    /// Take back what `start` counted on `id` for a prompt of `blocks`
+    /// (`held` of them credited there): it never ran there (refused, or
+    /// served elsewhere). Published with the next `start` or `finish`.
+    pub fn unsend(&mut self, id: ReplicaId, blocks: u32, held: u32) {
+        if let Some(l) = self.local.get_mut(&id) {
+            l.placed = l.placed.saturating_sub(blocks.saturating_sub(held));
+            l.sent = l.sent.saturating_sub(blocks);
+        }
+    }
+
     pub fn finish<S: Store + ?Sized>(&mut self, store: &S, id: ReplicaId, work: u64, now_ms: u64) {
         if let Some(l) = self.local.get_mut(&id) {
             l.requests = l.requests.saturating_sub(1);

@@ -122,6 +122,19 @@ struct Routed {
 struct Credited {
     checkpoints: Vec<Checkpoint>,
     held: u32,
+    /// The prompt's blocks (`Choice::blocks`), counted as sent to the pick.
+    blocks: u32,
+    /// What each other replica the index named held of it (with affinity
+    /// on: where it may be served instead).
+    others: Vec<(ReplicaId, u32)>,
+}
+
+impl Credited {
+    fn held_by(&self, id: ReplicaId) -> u32 {
+        (self.others.iter())
+            .find(|(r, _)| *r == id)
+            .map_or(0, |(_, held)| *held)
+    }
 }
 
 /// A stream's affinity cookie (with `affinity.cookie`): the sessions the
@@ -274,14 +287,16 @@ impl HttpFilter {
         // Whatever the status: a 500, 502 or 504 keeps the prompt's credit
         // (see `ran_nothing`), on the replica that failed it, which is not
         // the pick when the pick refused the connection first.
-        self.follow_the_upstream(h, success);
+        let nameable = self.follow_the_upstream(h, success);
         // Only a success names a replica to come back to. Not a failure (an
         // upstream 5xx, or Envoy's own 503 or 504 once retries ran out),
         // nor a refusal (a 429 from a replica that is rate limiting, a 404
         // for a stored response it doesn't hold, a 400): the turn didn't
         // run there, and the session's replica is where the client's last
         // token or cookie says.
-        if !success {
+        // Nor does one a host outside the pool served: the pick ran
+        // nothing, and the client's last token or cookie still holds.
+        if !success || !nameable {
             return Action::Continue;
         }
         if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
@@ -329,6 +344,8 @@ impl HttpFilter {
         let Some(c) = self.credited.take() else {
             return;
         };
+        // Nor is the prompt new content in its cache, or sent there.
+        w.board.unsend(routed.replica, c.blocks, c.held);
         w.stats.index_uncredited.inc(h);
         let r = (w.router).uncredit(h.store(), &c.checkpoints, routed.replica, c.held);
         if r.failed > 0 {
@@ -347,20 +364,21 @@ impl HttpFilter {
     /// costs ~20-30 µs a request (16 KiB chat, added p50 +93-106 µs against
     /// +75-80 without it).
     /// `stored`: the answer is a success, so a named response was stored
-    /// where it was served.
-    fn follow_the_upstream<H: Host>(&mut self, h: &H, stored: bool) {
+    /// where it was served. False when a host outside the pool answered
+    /// (no replica of the pool can be named for it).
+    fn follow_the_upstream<H: Host>(&mut self, h: &H, stored: bool) -> bool {
         let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
-            return;
+            return true;
         };
         let Some(addr) = h.upstream_address() else {
-            return;
+            return true;
         };
         let Ok(served) = addr.parse::<crate::endpoint::Endpoint>() else {
-            return;
+            return true;
         };
         let mut w = w.borrow_mut();
         if served.id() == routed.replica {
-            return;
+            return true;
         }
         if stored && !self.named.is_empty() && !self.named.contains(&served.id()) {
             // Stored under its name where no follow-up looks: the header
@@ -371,7 +389,7 @@ impl HttpFilter {
         }
         let known = w.router.endpoints().iter().any(|e| e.id() == served.id());
         if !known {
-            return;
+            return false;
         }
         let now = h.now_ms();
         w.board.finish(h.store(), routed.replica, routed.work, now);
@@ -380,11 +398,18 @@ impl HttpFilter {
         if routed.placed.counts() {
             w.board.withdraw_branch(routed.replica);
         }
-        let moved = Start {
+        let mut moved = Start {
             work: routed.work,
             branch: routed.placed.counts(),
             ..Start::default()
         };
+        // The prompt's blocks were sent, and new content placed, where it
+        // was served (not after a refusal: `uncredit` took them back).
+        if let Some(c) = &self.credited {
+            w.board.unsend(routed.replica, c.blocks, c.held);
+            moved.blocks = c.blocks;
+            moved.held = c.held_by(served.id());
+        }
         w.board.start(h.store(), served.id(), moved, now);
         if let Some(c) = self.credited.take() {
             let (from, to) = (routed.replica, served.id());
@@ -397,6 +422,7 @@ impl HttpFilter {
         }
         w.stats.served_elsewhere.inc(h);
         routed.replica = served.id();
+        true
     }
 
     /// Runs once per stream however it ended (done, reset, error), so
@@ -454,10 +480,10 @@ impl HttpFilter {
         };
         let (choice, why) = match decide(h, w, &hashed, meta, now) {
             Ok(d) => d,
-            Err(reject) => {
-                refuse(h, &w.stats, &reject);
-                return false;
-            }
+            // A reply the host wouldn't send leaves nothing to wait for:
+            // the stream goes on without a destination (Envoy's own 503,
+            // or its fallback policy), not paused for good.
+            Err(reject) => return !refuse(h, &w.stats, &reject),
         };
         w.seq += 1;
         #[cfg(feature = "fault-injection")]
@@ -501,9 +527,18 @@ impl HttpFilter {
             placed,
         });
         if !hashed.is_empty() {
+            // Only `follow_the_upstream` (affinity on) reads the others.
+            let others = match w.router.config.affinity.is_some() {
+                true => (choice.matches.blocks.iter())
+                    .map(|(&id, m)| (id, m.blocks))
+                    .collect(),
+                false => Vec::new(),
+            };
             self.credited = Some(Credited {
                 checkpoints: hashed.checkpoints,
                 held: choice.matched,
+                blocks: choice.blocks,
+                others,
             });
         }
         w.stats.ensure_replica(h, &ep).routed.inc(h);
@@ -634,8 +669,8 @@ fn decide<H: Host>(
 }
 
 /// Answer a request the filter won't route (counted): an OpenAI-style
-/// error body.
-fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject) {
+/// error body. Whether the reply was sent.
+fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject) -> bool {
     if r.status == 429 {
         s.shed_429.inc(h)
     } else {
@@ -649,11 +684,15 @@ fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject) {
     if r.status == 429 {
         headers.push(("retry-after", "1"));
     }
-    if let Err(status) = h.send_local_response(r.status, r.kind, &headers, body.as_bytes()) {
-        log::warn!(
-            "prefix-router: could not send {} reply: status {status}",
-            r.status
-        );
+    match h.send_local_response(r.status, r.kind, &headers, body.as_bytes()) {
+        Ok(()) => true,
+        Err(status) => {
+            log::warn!(
+                "prefix-router: could not send {} reply: status {status}",
+                r.status
+            );
+            false
+        }
     }
 }
 

@@ -43,6 +43,8 @@ struct Fake {
     refuse_request_writes: Cell<bool>,
     /// The upstream that answered (`upstream.address`).
     upstream: RefCell<Option<String>>,
+    /// Refuse local replies (a host that says no).
+    refuse_local_replies: Cell<bool>,
 }
 
 fn map_name(map: Map) -> &'static str {
@@ -220,6 +222,9 @@ impl Host for Fake {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), u32> {
+        if self.refuse_local_replies.get() {
+            return Err(2);
+        }
         self.calls.borrow_mut().push(format!("reply {status}"));
         self.replies.borrow_mut().push(Reply {
             status,
@@ -521,14 +526,19 @@ fn no_eligible_replica_is_a_503_and_a_saturated_pool_sheds_with_a_429() {
     s.on_log(&fake);
 }
 
-#[test]
-fn an_empty_pool_is_a_503_with_the_cause() {
-    let fake = Fake::new();
+/// A worker whose pool comes from discovery alone, before any answer: empty.
+fn empty_pool(fake: &Fake) -> Rc<RefCell<Worker>> {
     let cfg = Config::parse(
         br#"{"discovery":{"cluster":"pool","admin_cluster":"admin"},"cluster":"pool"}"#,
     )
     .unwrap();
-    let w = Rc::new(RefCell::new(Worker::new(&fake, cfg, 7)));
+    Rc::new(RefCell::new(Worker::new(fake, cfg, 7)))
+}
+
+#[test]
+fn an_empty_pool_is_a_503_with_the_cause() {
+    let fake = Fake::new();
+    let w = empty_pool(&fake);
     let body = doc(1);
     fake.start(&POST, &body);
     let mut s = HttpFilter::new(Some(w));
@@ -962,6 +972,24 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
     }
 }
 
+/// `doc(1)` routed, then answered `status` by another replica than the
+/// pick (the pick refused the connection and Envoy retried): the stream
+/// after its response headers, the pick, and the replica that answered.
+fn answered_elsewhere(
+    fake: &Fake,
+    w: &Rc<RefCell<Worker>>,
+    status: u16,
+) -> (HttpFilter, String, String) {
+    let mut s = post(fake, w, &[], &doc(1));
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    let pick = pick.split(',').next().unwrap().to_string();
+    let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
+    *fake.upstream.borrow_mut() = Some(other.clone());
+    fake.respond(status);
+    s.on_response_headers(fake);
+    (s, pick, other)
+}
+
 #[test]
 fn a_failure_served_elsewhere_keeps_its_prompt_where_it_failed() {
     // The pick refused the connection and Envoy's retry went to `other`,
@@ -972,13 +1000,7 @@ fn a_failure_served_elsewhere_keeps_its_prompt_where_it_failed() {
     for (status, kept) in [(500, true), (502, true), (504, true), (503, false)] {
         let fake = Fake::new();
         let w = worker(&fake, &format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#));
-        let mut s = post(&fake, &w, &[], &doc(1));
-        let pick = fake.header(Map::Request, DEST).unwrap();
-        let pick = pick.split(',').next().unwrap().to_string();
-        let other = POOL.iter().find(|&&e| e != pick).unwrap().to_string();
-        *fake.upstream.borrow_mut() = Some(other.clone());
-        fake.respond(status);
-        s.on_response_headers(&fake);
+        let (mut s, _, other) = answered_elsewhere(&fake, &w, status);
         assert_eq!(fake.header(Map::Response, header), None, "{status}");
         assert_eq!(in_flight(&fake), [(id_of(&other), 1)].into(), "{status}");
         s.on_log(&fake);
@@ -1602,4 +1624,104 @@ fn stored_sessions_below_one_preamble_spread_from_their_first_turn() {
     // The control: with the preamble's holder, or its one alternative.
     assert!(homes(false) <= 2);
     assert_eq!(homes(true), 4);
+}
+
+/// Prompt blocks counted per replica lately: new content placed there
+/// (`load::Load::placed`) and all blocks sent there (`sent`), as the next
+/// decision (and `cache_expected_percent`) reads them.
+fn blocks_counted(fake: &Fake) -> HashMap<ReplicaId, (u32, u32)> {
+    load::snapshot(&fake.store, fake.now.get(), 60_000)
+        .into_iter()
+        .filter(|(_, l)| l.placed > 0 || l.sent > 0)
+        .map(|(id, l)| (id, (l.placed, l.sent)))
+        .collect()
+}
+
+#[test]
+fn a_refused_request_leaves_no_blocks_placed_on_its_pick() {
+    // A refusal ran nothing (README, "A refusal computed nothing"): the
+    // pick's credit and its session count go; so must the blocks the
+    // commit counted as new content placed in its cache, or the spread
+    // term and the tie-break keep new prefixes off a replica that never
+    // computed them, and its expected hit rate counts prompts it never saw.
+    for status in [429, 503, 404] {
+        let fake = Fake::new();
+        let w = worker(&fake, "");
+        let mut s = post(&fake, &w, &[], &doc(1));
+        let pick = fake.header(Map::Request, DEST).unwrap();
+        let pick = pick.split(',').next().unwrap().to_string();
+        let blocks = fake.stat("request_blocks") as u32;
+        assert!(blocks > 0);
+        assert_eq!(
+            blocks_counted(&fake),
+            [(id_of(&pick), (blocks, blocks))].into()
+        );
+        *fake.upstream.borrow_mut() = Some(pick.clone());
+        fake.respond(status);
+        s.on_response_headers(&fake);
+        s.on_log(&fake);
+        assert_eq!(fake.stat("index.uncredited"), 1, "{status}");
+        assert_eq!(blocks_counted(&fake), HashMap::new(), "{status}");
+    }
+}
+
+#[test]
+fn blocks_placed_move_with_a_request_served_elsewhere() {
+    // The pick refused the connection; Envoy's retry went to `other`,
+    // which computed the prompt (a success, or a 500 after prefill): the
+    // index credit, the load and the session count move there, and so
+    // must the new content the commit counted on the pick.
+    for status in [200, 500] {
+        let fake = Fake::new();
+        let w = worker(&fake, &format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#));
+        let (mut s, pick, other) = answered_elsewhere(&fake, &w, status);
+        let blocks = fake.stat("request_blocks") as u32;
+        s.on_log(&fake);
+        assert_eq!(fake.stat("served_elsewhere"), 1);
+        assert_eq!(
+            blocks_counted(&fake),
+            [(id_of(&other), (blocks, blocks))].into(),
+            "{status}: pick {pick}"
+        );
+    }
+}
+
+#[test]
+fn a_success_served_outside_the_pool_names_no_replica() {
+    // Envoy's fallback policy (or a host this VM doesn't know yet) served
+    // the turn: the pick ran nothing. A token or cookie naming the pick
+    // sends the session's next turn to a replica that never held it; the
+    // client's last token or cookie still says where the session is.
+    let header = crate::config::DEFAULT_AFFINITY_HEADER;
+    let fake = Fake::new();
+    let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+    let w = worker(&fake, &extra);
+    let mut s = post(&fake, &w, &[], &conversation(0, 1));
+    assert!(fake.header(Map::Request, DEST).is_some());
+    *fake.upstream.borrow_mut() = Some("192.0.2.1:80".to_string());
+    fake.respond(200);
+    s.on_response_headers(&fake);
+    assert_eq!(fake.header(Map::Response, header), None);
+    assert_eq!(fake.count_of(Map::Response, "set-cookie"), 0);
+    s.on_log(&fake);
+    assert!(in_flight(&fake).is_empty());
+}
+
+#[test]
+fn a_refusal_the_host_would_not_send_does_not_hang_the_stream() {
+    // The pool is empty (or the request is shed) and the host refuses the
+    // local reply: paused, the stream is never answered nor resumed (the
+    // client waits for a timeout, its buffered body held). Going on
+    // without a destination, Envoy answers it (original_dst: a 503) or
+    // its fallback policy routes it.
+    let fake = Fake::new();
+    let w = empty_pool(&fake);
+    fake.refuse_local_replies.set(true);
+    let body = doc(1);
+    fake.start(&POST, &body);
+    let mut s = HttpFilter::new(Some(w));
+    assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+    assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Continue);
+    assert_eq!(fake.header(Map::Request, DEST), None);
+    s.on_log(&fake);
 }
