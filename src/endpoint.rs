@@ -64,7 +64,11 @@ impl FromStr for Endpoint {
         let addr: SocketAddr = trimmed.parse().map_err(|_| BadEndpoint {
             value: s.to_string(),
         })?;
-        if addr.port() == 0 {
+        // A scope id (`%2`) or flow label isn't `[v6]:port`: its text would
+        // share a stat label with another address's (`%` and `:` both map
+        // to `_`).
+        let scoped = matches!(addr, SocketAddr::V6(v6) if v6.scope_id() != 0 || v6.flowinfo() != 0);
+        if addr.port() == 0 || scoped {
             return Err(BadEndpoint {
                 value: s.to_string(),
             });
@@ -128,6 +132,18 @@ mod tests {
         ] {
             assert!(bad.parse::<Endpoint>().is_err(), "{bad} accepted");
         }
+    }
+
+    /// A scoped IPv6 address (`%2`: an interface index) parsed, and its
+    /// stat label took `%` as a separator like `:`: `[fe80::1%2]:80` and
+    /// `[fe80::1:2]:80`, two replicas, shared every per-replica stat.
+    /// The header only carries `ip:port` / `[v6]:port` (README), so a
+    /// scope id or flow label is refused like any other non-address.
+    #[test]
+    fn scoped_ipv6_is_refused_so_stat_labels_stay_distinct() {
+        let plain: Endpoint = "[fe80::1:2]:80".parse().unwrap();
+        assert_eq!(plain.stat_label(), "fe80__1_2__80");
+        assert!("[fe80::1%2]:80".parse::<Endpoint>().is_err());
     }
 
     #[test]

@@ -447,10 +447,18 @@ pub fn holds_lease<S: Store + ?Sized>(store: &S, owner: u64) -> bool {
 /// later), and a tick within `slack_ms` of the due time counts as on
 /// time. `None`: not due yet. Without the slack a round every interval
 /// became one every two now and then, which let the lease (two
-/// intervals) lapse while its holder was alive.
+/// intervals) lapse while its holder was alive. A due time further ahead
+/// than one interval (and the slack) was set before the wall clock
+/// stepped back: due now, or nothing would run until the clock got back
+/// there.
 pub fn next_round(now_ms: u64, due_ms: u64, interval_ms: u64, slack_ms: u64) -> Option<u64> {
-    if now_ms.saturating_add(slack_ms) < due_ms {
+    let waiting = now_ms.saturating_add(slack_ms) < due_ms;
+    let stepped_back = due_ms > now_ms.saturating_add(interval_ms).saturating_add(slack_ms);
+    if waiting && !stepped_back {
         return None;
+    }
+    if stepped_back {
+        return Some(now_ms.saturating_add(interval_ms));
     }
     Some(now_ms.max(due_ms).saturating_add(interval_ms))
 }
@@ -795,6 +803,27 @@ mod tests {
         assert_eq!(rounds, 100);
         // No slack, as before: an early tick skips its round.
         assert_eq!(next_round(1_099, 1_100, 100, 0), None);
+    }
+
+    /// The wall clock steps forward an hour for a moment (a bad NTP
+    /// sample) and back: the round that came due then lies an hour ahead,
+    /// further than one interval from any tick under a clock that only
+    /// moves forward. Before, no round ran until the clock got there:
+    /// no lease renewal, no scrape, no discovery for an hour, and every
+    /// replica went stale (the router blind).
+    #[test]
+    fn a_round_due_past_a_clock_step_back_runs_at_once() {
+        let t0 = 10_000_000;
+        let ahead = t0 + 3_600_000;
+        let due = next_round(ahead, 0, 100, 50).unwrap();
+        assert_eq!(due, ahead + 100);
+        // Back to the real time: due now, and on the grid from here.
+        assert_eq!(next_round(t0, due, 100, 50), Some(t0 + 100));
+        assert_eq!(next_round(t0 + 40, t0 + 100, 100, 50), None);
+        // Discovery's longer interval, checked on the scrape's ticks:
+        // a due time up to one interval ahead is the normal wait.
+        assert_eq!(next_round(t0 + 100, t0 + 1_000, 1_000, 50), None);
+        assert_eq!(next_round(t0 + 100, t0 + 1_100, 1_000, 50), None);
     }
 
     /// A store where `rival` runs once, between our first read and our
