@@ -141,8 +141,18 @@ pub fn traffic_shares(traffic: &[Option<f32>]) -> Option<Vec<f32>> {
     if known.len() < 2 {
         return None;
     }
-    let mean = known.iter().sum::<f32>() / known.len() as f32;
-    (mean >= MIN_MEAN_TRAFFIC && mean.is_finite()).then(|| known.iter().map(|t| t / mean).collect())
+    // Summed in one order whatever the list's (another instance may list
+    // the replicas otherwise, and an f32 sum in list order lost the small
+    // counts to a big one's rounding on one instance and not the other).
+    let mut sorted: Vec<f64> = known.iter().copied().map(f64::from).collect();
+    sorted.sort_by(f64::total_cmp);
+    let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
+    (mean >= f64::from(MIN_MEAN_TRAFFIC) && mean.is_finite()).then(|| {
+        known
+            .iter()
+            .map(|&t| (f64::from(t) / mean) as f32)
+            .collect()
+    })
 }
 
 /// A count as a row keeps it: finite, 0..=MAX_COUNT (NaN reads as 0).

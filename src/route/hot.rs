@@ -226,6 +226,29 @@ mod tests {
     }
 
     #[test]
+    fn instances_that_list_the_replicas_in_another_order_judge_them_alike() {
+        // The same scraped counts, the candidates built in another order
+        // (another instance's endpoint list): the hot replica's share is
+        // the same, so every instance sheds alike. Summed in f32 in list
+        // order, the small counts vanished into the big one's rounding
+        // on one instance and not on the other: a share of 1.1000001
+        // (hot) on one, 1.1 (not) on the other.
+        let t = [5_831_736.5_f32, 15_374_570.0, 2.0, 5.0];
+        let here: Vec<Candidate> = (0..4)
+            .map(|i| cand(i + 1, 0, Some(t[i as usize])))
+            .collect();
+        let there: Vec<Candidate> = here.iter().rev().copied().collect();
+        let mut a = here.clone();
+        let mut b = there.clone();
+        assert_eq!(shed(&mut a, &hashed(1)), shed(&mut b, &hashed(1)));
+        let ta: Vec<Option<f32>> = here.iter().map(|c| c.traffic).collect();
+        let tb: Vec<Option<f32>> = there.iter().map(|c| c.traffic).collect();
+        let mut sb = traffic_shares(&tb).unwrap_or_default();
+        sb.reverse();
+        assert_eq!(traffic_shares(&ta), Some(sb));
+    }
+
+    #[test]
     fn no_rule_until_every_replica_reports_enough_traffic() {
         let k = moved(3.0, 0..100)[0];
         // One replica without counters: shares would be guesses.

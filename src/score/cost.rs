@@ -89,10 +89,16 @@ pub(super) fn by_cost(
     } else {
         Vec::new()
     };
+    // A replica that evicts what it is credited with takes no new content
+    // (`pressure::open_to_new`): its second prefill may be less than the
+    // band (a prompt of a block or two), so it is no tie, unless every
+    // replica evicts.
+    let all_evict = cands.iter().all(|c| c.evicting);
+    let tie = |i: usize| (all_evict || !cands[i].evicting) && costs[i] - best < band;
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by(|&a, &b| {
-        let tie_a = costs[a] - best < band;
-        let tie_b = costs[b] - best < band;
+        let tie_a = tie(a);
+        let tie_b = tie(b);
         tie_b
             .cmp(&tie_a)
             .then_with(|| {

@@ -1,7 +1,7 @@
 //! Where a load spill goes, and whom it leaves.
 
 use super::cost::recent_sessions;
-use super::pressure::{least_scraped, scraped};
+use super::pressure::{least_scraped, open_to_new, scraped};
 use super::{Ask, Candidate, ScoreParams};
 
 /// Where a load spill goes, and whom it leaves. The deepest holder has
@@ -9,7 +9,8 @@ use super::{Ask, Candidate, ScoreParams};
 /// bound), so the request goes to a replica that holds less. Its session
 /// (or its group's next followers) then stays there: the new replica
 /// holds it deepest from now on. So the spill is a placement, made like
-/// one: among the replicas within the bound, work (the prefill each would
+/// one: among the replicas within the bound that take new content
+/// (`pressure::open_to_new`), work (the prefill each would
 /// do, and what it has in flight) that differs by less than this
 /// request's own work counts as no difference, and the fewest recent
 /// placements win, then the ranking. And for a session's later turn,
@@ -42,7 +43,10 @@ pub(super) fn respill(
     p: &ScoreParams,
 ) -> Option<(usize, usize)> {
     let blocks = ask.blocks;
-    let holder = (0..cands.len()).max_by_key(|&i| cands[i].matched)?;
+    // Ties go by the ranking (`order`), never by the candidates' list
+    // order, which another instance may build otherwise: of equally deep
+    // holders, the one ranked last (the last maximum).
+    let holder = order.iter().copied().max_by_key(|&i| cands[i].matched)?;
     let within: Vec<usize> = (0..cands.len()).filter(|&i| keeps[i]).collect();
     let depth = within.iter().map(|&i| cands[i].matched).max()?;
     // What taking the request adds to each: its prefill there, the work
@@ -57,9 +61,12 @@ pub(super) fn respill(
         .map(|&i| extra(i))
         .fold(f64::INFINITY, f64::min);
     let own = p.work_of(blocks, depth) as f64;
+    // A spill places the session anew: not where it would be evicted
+    // (`open_to_new`), as for any new content.
+    let open = open_to_new(cands, keeps);
     let mut near = vec![false; cands.len()];
     for &i in &within {
-        near[i] = extra(i) - least <= own;
+        near[i] = open[i] && extra(i) - least <= own;
     }
     // The cost may prefer another for its queue or KV: then it is no
     // choice among equals, and it stands.
@@ -80,8 +87,10 @@ pub(super) fn respill(
     let pick = if recent(pick) < home || !ask.later_turn {
         pick
     } else {
-        (0..cands.len())
-            .filter(|&i| keeps[i] && i != holder && recent(i) < home)
+        order
+            .iter()
+            .copied()
+            .filter(|&i| open[i] && i != holder && recent(i) < home)
             .filter(|&i| scraped(&cands[i], w) <= calm)
             .min_by(|&a, &b| extra(a).total_cmp(&extra(b)))
             .unwrap_or(pick)

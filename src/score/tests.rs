@@ -666,3 +666,169 @@ fn a_follow_up_of_a_gone_replica_goes_to_its_successor_as_stored_not_as_a_token_
     let r = rank_below(&c, &ask, &params());
     assert_eq!((r.order[0], r.reason), (first, Reason::Stored));
 }
+
+#[test]
+fn a_short_new_prompt_is_not_placed_where_it_would_be_evicted() {
+    // As `new_content_is_not_placed_where_it_would_be_evicted`, for a
+    // prompt of one block: the evicting replica's second prefill (4) is
+    // less than one request's constant (8), so it fell into the tie band
+    // and won on rendezvous, or on having taken fewer sessions lately
+    // (which it has: it takes no new content).
+    for key in 0..200u64 {
+        let mut c: Vec<Candidate> = (1..=4).map(|i| cand(i, 0, 0, 0)).collect();
+        for x in &mut c[1..] {
+            x.load.branches = 1;
+        }
+        c[0].evicting = true;
+        let r = rank(&c, 1, key, &params());
+        assert_eq!(r.reason, Reason::NewPrefix);
+        assert_ne!(r.order[0], 0, "key {key}: {:?}", r.costs);
+        assert_eq!(r.order.last(), Some(&0), "key {key}");
+    }
+}
+
+#[test]
+fn a_load_spill_does_not_move_a_session_onto_an_evicting_replica() {
+    // The holder (20 blocks of a 100-block question) is far over the
+    // bound. Replica 2 evicts what it is credited with (its credit for
+    // this prefix was withheld: `route::evicting`) and, taking no new
+    // content, has no recent sessions; replica 3 took two.
+    let mut c = vec![cand(1, 20, 10, 3_000), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+    c[1].evicting = true;
+    c[1].trust = 0.5;
+    c[2].load.branches = 2;
+    for later_turn in [false, true] {
+        let ask = Ask {
+            blocks: 100,
+            placement: 7,
+            later_turn,
+            ..Ask::default()
+        };
+        let r = rank_below(&c, &ask, &params());
+        assert_eq!(r.reason, Reason::LoadSpill);
+        assert_eq!(r.order[0], 2, "later turn {later_turn}: {:?}", r.costs);
+    }
+}
+
+#[test]
+fn a_spill_goes_to_the_same_replica_whatever_the_order_of_the_candidates() {
+    // Two holders of a session's 100 blocks, both far over the bound
+    // (the session's home took one session lately). The idle replica took
+    // one too; two replicas a little busier (by more than this turn's own
+    // work) took none. With clients that echo the token, the spill is
+    // this instance's to place, and another instance listing the same
+    // replicas in another order must place (and move) it alike: ties
+    // went to the candidate listed first (the fallback) and last (the
+    // holder it leaves).
+    let mut c = vec![
+        cand(1, 100, 10, 3_000),
+        cand(2, 100, 10, 3_000),
+        cand(3, 0, 0, 0),
+        cand(4, 0, 1, 40),
+        cand(5, 0, 1, 40),
+    ];
+    for (x, n) in c.iter_mut().zip([1, 1, 1, 0, 0]) {
+        x.load.branches = n;
+    }
+    let p = ScoreParams {
+        gateways: 3,
+        clients_echo: true,
+        ..params()
+    };
+    let rev: Vec<Candidate> = c.iter().rev().copied().collect();
+    for placement in 0..50 {
+        let ask = Ask {
+            blocks: 120,
+            placement,
+            later_turn: true,
+            ..Ask::default()
+        };
+        let a = rank_below(&c, &ask, &p);
+        let b = rank_below(&rev, &ask, &p);
+        assert_eq!(a.reason, Reason::LoadSpill);
+        let ids = |r: &Ranked, v: &[Candidate]| (v[r.order[0]].id, r.spilled_from.map(|i| v[i].id));
+        assert_eq!(ids(&a, &c), ids(&b, &rev), "placement {placement}");
+        assert!(matches!(ids(&a, &c).0, 4 | 5));
+    }
+}
+
+/// Random pools, asks and parameters: the ranking (the ids in order, the
+/// reason, the holder a spill leaves) is the same whatever the order the
+/// candidates were listed in, as on another instance.
+#[test]
+fn the_ranking_is_the_same_whatever_the_order_of_the_candidates() {
+    let mut seed = 12345u64;
+    let mut rnd = |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    for round in 0..20_000 {
+        let n = 2 + rnd(5) as usize;
+        let blocks = 1 + rnd(200) as u32;
+        let trunk = if rnd(3) == 0 {
+            rnd(u64::from(blocks)) as u32
+        } else {
+            0
+        };
+        let mut c: Vec<Candidate> = (0..n)
+            .map(|i| {
+                let matched = [0, trunk, blocks / 2, blocks][rnd(4) as usize];
+                let work = [0, 10, 50, 300, 3000][rnd(5) as usize];
+                let mut x = cand(100 + i as u64, matched, rnd(4) as u32, work);
+                x.load.branches = rnd(3) as u32;
+                x.load.placed = rnd(3) as u32 * 10;
+                x.waiting = [0.0, 0.0, 1.0, 5.0, f32::INFINITY, 1e6][rnd(6) as usize];
+                x.running = [0.0, 1.0, 3.0][rnd(3) as usize];
+                x.kv_usage = [0.0, 0.5, 0.99][rnd(3) as usize];
+                x.trust = [1.0, 1.0, 0.5][rnd(3) as usize];
+                x.evicting = rnd(6) == 0;
+                x
+            })
+            .collect();
+        if rnd(4) == 0 {
+            let k = rnd(n as u64) as usize;
+            c[k].affinity = true;
+        }
+        let ask = Ask {
+            blocks,
+            trunk,
+            placement: rnd(1 << 40),
+            later_turn: rnd(2) == 0,
+            session_start: rnd(5) == 0,
+            stored: [
+                Stored::No,
+                Stored::No,
+                Stored::Named,
+                Stored::Continues(100 + rnd(8)),
+            ][rnd(4) as usize],
+        };
+        for (gateways, clients_echo) in [(1, false), (3, false), (3, true)] {
+            let p = ScoreParams {
+                gateways,
+                clients_echo,
+                ..params()
+            };
+            let mut other = c.clone();
+            for i in (1..other.len()).rev() {
+                let j = rnd(i as u64 + 1) as usize;
+                other.swap(i, j);
+            }
+            let seen = |v: &[Candidate]| {
+                let r = rank_below(v, &ask, &p);
+                let ids: Vec<u64> = r.order.iter().map(|&i| v[i].id).collect();
+                (ids, r.reason, r.spilled_from.map(|i| v[i].id))
+            };
+            let (here, there) = (seen(&c), seen(&other));
+            let mut listed = here.0.clone();
+            listed.sort_unstable();
+            listed.dedup();
+            assert_eq!(listed.len(), n, "round {round}: {:?}", here.0);
+            assert_eq!(
+                here, there,
+                "round {round}, {gateways} gateways: {c:?} {ask:?}"
+            );
+        }
+    }
+}
