@@ -114,6 +114,8 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             // (`{"id": "pmpt_..."}`), not text to route by.
             b"prompt" if r.peek() == Some(b'{') => {
                 r.skip()?;
+                // The last `prompt` counts: a string one before it is gone.
+                b.prompt = None;
             }
             b"prompt" => b.prompt = nullable(r, prompt)?,
             b"messages" => b.messages = nullable(r, |r| list(r, STRUCTURED, message))?,

@@ -261,10 +261,19 @@ impl<'a> Reader<'a> {
             None => spelled,
         };
         if !int && whole.len() == spelled.len() {
-            return Err(JsonError {
-                at: start,
-                expected: "an integer",
-            });
+            // Exponent form (`1e3`, `1.0e3`): the server reads a float and
+            // takes it as an int when it has no fraction (pydantic's lax
+            // int, as `body::stores` reads `1e0`).
+            const I64_END: f64 = 9_223_372_036_854_775_808.0; // 2^63
+            return std::str::from_utf8(spelled)
+                .ok()
+                .and_then(|s| s.parse::<f64>().ok())
+                .filter(|v| v.fract() == 0.0 && (-I64_END..I64_END).contains(v))
+                .map(|v| v as i64)
+                .ok_or(JsonError {
+                    at: start,
+                    expected: "an integer",
+                });
         }
         std::str::from_utf8(whole)
             .ok()

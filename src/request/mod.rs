@@ -278,7 +278,7 @@ impl<S: Sink> Render<S> {
     }
 
     /// One chat message:
-    /// `\x1e role \x1f role-length \x1f content \x1f content-length`.
+    /// `\x1e role \x1f role-length \x1f content [\x1f tool-calls] \x1f length`.
     /// The lengths come after what they measure, so the rendering reads
     /// back unambiguously from the end (no content can fake a message
     /// boundary), and two messages that start alike render alike up to
@@ -291,8 +291,10 @@ impl<S: Sink> Render<S> {
         if self.full() {
             return;
         }
-        let calls = tool_calls.unwrap_or_default();
-        let len = content_len(content) + calls.len();
+        // Tool calls follow the text after a byte no JSON text holds raw
+        // (else the text `ok[]` and the text `ok` with calls `[]` were one
+        // prompt); the length after them covers both.
+        let len = content_len(content) + tool_calls.map_or(0, |c| CALLS_MARK.len() + c.len());
         self.push_all(&[
             b"\x1e",
             role.as_bytes(),
@@ -328,10 +330,16 @@ impl<S: Sink> Render<S> {
             }
             None => {}
         }
-        self.push(calls);
+        if let Some(calls) = tool_calls {
+            self.push(CALLS_MARK);
+            self.push(calls);
+        }
         self.push_all(&[b"\x1f", itoa::Buffer::new().format(len).as_bytes()]);
     }
 }
+
+/// Before an assistant's tool calls (see `Render::message`).
+const CALLS_MARK: &[u8] = b"\x1f";
 
 /// The salt as kept: a long one by a digest of all of it (cut short, two
 /// tenants' salts that share their first 256 bytes shared their prefixes).
@@ -652,9 +660,9 @@ mod tests {
         ));
         assert_eq!(a, b);
         let want = format!(
-            "\x1etools\x1f5\x1f{tools}\x1f{}\x1eassistant\x1f9\x1f{call}\x1f{}",
+            "\x1etools\x1f5\x1f{tools}\x1f{}\x1eassistant\x1f9\x1f\x1f{call}\x1f{}",
             tools.len(),
-            call.len()
+            call.len() + 1
         );
         assert_eq!(a, want.as_bytes());
         // `functions` (the older field) renders like `tools`; null is none.
@@ -884,6 +892,62 @@ mod tests {
             text(r#"{"prompt":[1,2,3]}"#)
         );
         assert!(extract(br#"{"prompt":[1.5]}"#, 100).is_err());
-        assert!(extract(br#"{"prompt":[1.0e3]}"#, 100).is_err());
+        assert!(extract(br#"{"prompt":[1.5e0]}"#, 100).is_err());
+    }
+
+    /// A whole number in exponent form is a token id too: the server reads
+    /// it as a float (Python's `json`) and pydantic's lax int takes a float
+    /// without a fraction, as `stores` already reads `1e0` as 1.
+    #[test]
+    fn token_ids_in_exponent_form_are_ids() {
+        assert_eq!(
+            text(r#"{"prompt":[1e0,2E+0,30e-1,1.0e3]}"#),
+            text(r#"{"prompt":[1,2,3,1000]}"#)
+        );
+        assert_eq!(
+            text(r#"{"prompt":[[5e1],[1]]}"#),
+            text(r#"{"prompt":[[50],[1]]}"#)
+        );
+        for bad in ["[1e-1]", "[2.5e0]", "[1e400]", "[1e19]"] {
+            let body = format!(r#"{{"prompt":{bad}}}"#);
+            assert!(extract(body.as_bytes(), 100).is_err(), "{bad}");
+        }
+    }
+
+    /// An assistant's tool calls can't pass for the end of its text: the
+    /// text `ok[]` and the text `ok` with no calls (`[]`) are two prompts
+    /// (the server renders no calls for `[]`).
+    #[test]
+    fn tool_calls_are_told_apart_from_text() {
+        let a = text(r#"{"messages":[{"role":"assistant","content":"ok[]"}]}"#);
+        let b = text(r#"{"messages":[{"role":"assistant","content":"ok","tool_calls":[]}]}"#);
+        assert_ne!(a, b);
+        let parts = text(
+            r#"{"messages":[{"role":"assistant","content":[{"type":"text","text":"ok"}],"tool_calls":[]}]}"#,
+        );
+        assert_ne!(a, parts);
+        // Still a prefix of the next turn.
+        let t1 = text(r#"{"messages":[{"role":"assistant","content":"ok","tool_calls":[]}]}"#);
+        let t2 = text(
+            r#"{"messages":[{"role":"assistant","content":"ok","tool_calls":[]},{"role":"tool","content":"r"}]}"#,
+        );
+        assert!(t2.starts_with(&t1));
+    }
+
+    /// A key given twice counts the last time, `prompt` too: a template
+    /// reference after a string prompt leaves no completions prompt, and
+    /// the Responses input is what the request asks.
+    #[test]
+    fn a_later_prompt_template_replaces_an_earlier_prompt() {
+        let body = |input: &str| {
+            text(&format!(
+                r#"{{"prompt":"x","input":"{input}","prompt":{{"id":"pmpt_1"}}}}"#
+            ))
+        };
+        assert_ne!(body("first question"), body("second question"));
+        assert_eq!(
+            body("hi"),
+            text(r#"{"input":"hi","prompt":{"id":"pmpt_1"}}"#)
+        );
     }
 }
