@@ -548,6 +548,20 @@ impl Config {
                     .to_string(),
             );
         }
+        if let Some(s) = self
+            .scrape
+            .as_ref()
+            .filter(|s| s.timeout_ms > self.staleness_ms)
+        {
+            // Valid (a slow page is waited for), but its replica reads as
+            // stale between a late answer and the next.
+            notes.push(format!(
+                "`scrape_timeout_ms` ({} ms) is above `staleness_ms` ({} ms): a replica whose \
+                 metrics page takes longer than `staleness_ms` goes stale, and out of the pool, \
+                 for part of every round; raise `staleness_ms` with the timeout",
+                s.timeout_ms, self.staleness_ms
+            ));
+        }
         notes
     }
 
@@ -717,6 +731,19 @@ mod tests {
         assert!(with(r#","max_fallbacks":1"#).is_empty());
         let plain = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).unwrap();
         assert!(plain.advice().is_empty());
+    }
+
+    #[test]
+    fn a_scrape_timeout_above_the_staleness_is_advised_against() {
+        let with = |extra: &str| {
+            let json = format!(r#"{{"endpoints":["10.0.0.1:80"],"cluster":"pool"{extra}}}"#);
+            Config::parse(json.as_bytes()).unwrap().advice()
+        };
+        assert!(with("").is_empty(), "the defaults");
+        let advice = with(r#","scrape_timeout_ms":3000"#);
+        assert_eq!(advice.len(), 1);
+        assert!(advice[0].contains("`staleness_ms` (2000 ms)"), "{advice:?}");
+        assert!(with(r#","scrape_timeout_ms":3000,"staleness_ms":4000"#).is_empty());
     }
 
     #[test]
