@@ -550,7 +550,7 @@ mod tests {
         ) else {
             panic!("requests expected");
         };
-        assert_eq!(a.len(), 12);
+        assert_eq!((a.len(), b.len()), (12, 12));
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.body, y.body);
             assert_eq!(x.at, y.at);
@@ -655,6 +655,7 @@ mod tests {
         let a = requests(long_preamble(&lp(50, 16), "m", 7, 8.0));
         let b = requests(long_preamble(&lp(50, 16), "m", 7, 8.0));
         let c = requests(long_preamble(&lp(50, 16), "m", 8, 8.0));
+        assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.body, y.body);
             assert_eq!((x.at, &x.key), (y.at, &y.key));
@@ -812,6 +813,7 @@ mod tests {
         let a = sessions(agentic(&ag(3), 5));
         let b = sessions(agentic(&ag(3), 5));
         let c = sessions(agentic(&ag(3), 6));
+        assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.turns(), y.turns());
             assert_eq!(x.think, y.think);

@@ -40,7 +40,7 @@ def test_discovery_finds_the_pool_among_1000_other_clusters():
                 assert headers["x-served-by"] in ports
             assert sum(b.count for b in bs) == 20
             # Several polls of the full page went by, none failed.
-            assert envoy.stat("cluster.envoy_admin.upstream_rq_total") >= 2
+            assert wait_until(lambda: envoy.stat("cluster.envoy_admin.upstream_rq_total") >= 2, timeout=5)
             assert envoy.stat("prefix_router.discovery.failures") == 0
 
 

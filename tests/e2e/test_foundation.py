@@ -21,6 +21,7 @@ from harness import (
     free_port,
     render_config,
     request,
+    wait_until,
 )
 
 MODES = ["original_dst", "override_host"]
@@ -165,7 +166,9 @@ def test_in_flight_balancing_across_workers_and_draining():
             on_slow = slow.count
             assert on_slow >= 1
             gauge = f"replica.{stat_label(slow.addr)}.inflight"
-            assert envoy.stat(gauge) == on_slow
+            # Set from the shared load slots on the root's tick: polled, not
+            # read once after a sleep (CI saw a tick-old value).
+            assert wait_until(lambda: envoy.stat(gauge) == on_slow, timeout=2), (envoy.stat(gauge), on_slow)
             # Phase 2: while those hang, new requests (fresh connections, both
             # workers) avoid the slow replica.
             for i in range(12):

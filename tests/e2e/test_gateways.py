@@ -15,7 +15,7 @@ import random
 import urllib.request
 from collections import Counter, defaultdict
 
-from harness import Envoy, backends, chat, completion, filter_envoy, free_port, render_config, request
+from harness import Envoy, backends, chat, completion, filter_envoy, free_port, render_config, request, wait_until
 
 KEY = "gateway-shared-secret-0123456789abcdef"
 AFFINITY = "x-prefix-router-affinity"
@@ -481,8 +481,9 @@ def test_stored_responses_without_a_fallback_address_are_warned_about_at_start()
     with backends(1) as (b,):
         with filter_envoy([b.addr], affinity) as gw:
             assert request(gw.port, body=completion("hello there"))[0] == 200
-            assert advice in gw.log()
+            # The log file is flushed every 100 ms.
+            assert wait_until(lambda: advice in gw.log()), gw.log()[-2000:]
         with filter_envoy([b.addr], {**affinity, "max_fallbacks": 1}) as gw:
             assert request(gw.port, body=completion("hello there"))[0] == 200
-            assert "configured with 1 replicas" in gw.log()
+            assert wait_until(lambda: "configured with 1 replicas" in gw.log()), gw.log()[-2000:]
             assert advice not in gw.log()

@@ -82,7 +82,10 @@ def test_a_replica_reporting_a_long_queue_gets_fewer_requests():
     with backends(4, metrics=vllm_metrics()) as bs:
         bs[0].metrics = vllm_metrics(waiting=40, running=16, kv=0.7)
         with start([b.addr for b in bs]) as envoy:
-            time.sleep(0.5)
+            # The gauge is recorded after the scraper published the row the
+            # decisions read (a fixed sleep raced the first scrape).
+            queue = f"{stat_label(bs[0].addr)}.waiting"
+            assert wait_until(lambda: envoy.stat(queue) == 40), envoy.stat(queue)
             served = Counter()
             for i in range(40):
                 status, headers, _ = request(envoy.port, body=completion(f"short {i}"))
@@ -230,16 +233,18 @@ def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
                 burst(20, "before")
                 assert victim.count > 0
                 victim.stop()
-                t_dead = time.time()
                 # Steady traffic across the failure: retries go to the
                 # fallback address in the header.
                 burst(30, "during")
-                time.sleep(3 * INTERVAL_MS / 1000 + 0.2)
+                # Out once its failed scrapes are published (the gauge is
+                # set on the scraper's tick, after the table decisions read).
+                assert wait_until(lambda: envoy.stat("prefix_router.eligible_replicas") == 3, timeout=5), (
+                    "dead replica still eligible"
+                )
                 frozen = routed()
                 burst(30, "after")
                 assert routed() == frozen, "dead replica still chosen after 3 intervals"
                 assert statuses == Counter({200: 80}), statuses
-                assert time.time() - t_dead < 30
                 # It comes back on its next good scrape.
                 victim = Backend(port=port, metrics=vllm_metrics())
                 victim.__enter__()
@@ -254,7 +259,8 @@ def test_a_dead_replica_is_excluded_without_failed_requests_and_comes_back():
 def test_saturated_pool_sheds_sheddable_requests_only():
     busy = vllm_metrics(waiting=9, running=32, kv=0.95)
     with backends(2, metrics=busy) as bs, start([b.addr for b in bs]) as envoy:
-        time.sleep(0.5)
+        kv = [f"{stat_label(b.addr)}.kv_usage_percent" for b in bs]
+        assert wait_until(lambda: all(envoy.stat(g) == 95 for g in kv)), [envoy.stat(g) for g in kv]
         status, headers, body = request(
             envoy.port, body=completion("x" * 200), headers=[("x-prefix-router-priority", "sheddable")]
         )
@@ -271,7 +277,7 @@ def test_saturated_pool_sheds_sheddable_requests_only():
         # Load drops: nothing is shed any more.
         for b in bs:
             b.metrics = vllm_metrics(waiting=0, running=1, kv=0.2)
-        time.sleep(0.4)
+        assert wait_until(lambda: all(envoy.stat(g) == 20 for g in kv)), [envoy.stat(g) for g in kv]
         status, _, _ = request(
             envoy.port, body=completion("x" * 200), headers=[("x-prefix-router-priority", "sheddable")]
         )
@@ -296,7 +302,8 @@ def test_when_every_scrape_fails_the_filter_fails_open():
         assert len({by for _, by in served}) == 2
         assert envoy.stat("prefix_router.routed_blind") == 24
         assert envoy.stat("prefix_router.unavailable_503") == 0
-        assert "no replica passed its metrics scrapes" in envoy.log()
+        # The log file is flushed every 100 ms.
+        assert wait_until(lambda: "no replica passed its metrics scrapes" in envoy.log())
         assert envoy.log().count("no replica passed its metrics scrapes") == 1
 
 
@@ -332,13 +339,17 @@ def test_hostile_metrics_pages_do_not_crash_or_stall_the_filter(page):
             bs[0].metrics = page
         with start([b.addr for b in bs], scrape_timeout_ms=300) as envoy:
             time.sleep(1.5)
+            label = stat_label(bs[0].addr)
+            # Out once its failed scrapes are published, not after a guess.
+            assert wait_until(
+                lambda: envoy.stat("prefix_router.eligible_replicas") == 1 and envoy.stat(f"{label}.scrapes_failed") >= 3
+            ), (envoy.stat("prefix_router.eligible_replicas"), envoy.stat(f"{label}.scrapes_failed"))
             with ThreadPoolExecutor(4) as ex:
                 results = list(ex.map(lambda i: request(envoy.port, body=completion(f"q{i} " * 30)), range(20)))
             assert all(r[0] == 200 for r in results)
             served = Counter(r[1]["x-served-by"] for r in results)
             # The bad replica is out after its failed scrapes.
             assert served == Counter({str(bs[1].port): 20}), served
-            label = stat_label(bs[0].addr)
             assert envoy.stat(f"{label}.scrapes_failed") >= 3
             assert envoy.stat("wasm.prefix-router.vm_reload_success") == 0
             # The good replica kept being scraped on time.

@@ -95,13 +95,11 @@ def run_fault(fault: str, mode: str, policy: str | None):
         with fault_envoy(pool, mode, policy) as envoy:
             # Excluded within a few scrape intervals of the lease being
             # taken (absurd: not excluded, but its clamped queue is seen).
-            started = time.time()
             if fault == "absurd":
                 seen = lambda: envoy.stat(f"{stat_label(bad)}.waiting") == 1_000_000  # noqa: E731
             else:
                 seen = lambda: envoy.stat("prefix_router.eligible_replicas") == 3  # noqa: E731
             assert wait_until(seen, timeout=5, step=0.05), fault
-            assert time.time() - started < 3.0
             before_bad = routed(envoy, bad)
             before_total = envoy.stat("prefix_router.requests_total")
             statuses = steady_load(envoy.port, 3.0)
@@ -142,7 +140,11 @@ def test_absurd_values_do_not_readmit_a_failing_replica():
         absurd.metrics = vllm_metrics(waiting=1e308, running=1e39, kv=0.5)
         failing.down = True  # every request, /metrics too, gets a 503
         with fault_envoy([b.addr for b in bs], "override_host") as envoy:
-            time.sleep(0.6)
+            # Its clamped queue is seen, the failing one is out.
+            queue = f"{stat_label(absurd.addr)}.waiting"
+            assert wait_until(
+                lambda: envoy.stat(queue) == 1_000_000 and envoy.stat("prefix_router.eligible_replicas") == 2
+            ), (envoy.stat(queue), envoy.stat("prefix_router.eligible_replicas"))
             statuses = [request(envoy.port, body=completion(f"q {i} " * 30))[0] for i in range(60)]
             assert all(s == 200 for s in statuses), Counter(statuses)
             assert failing.count == 0
@@ -160,7 +162,8 @@ def test_a_busy_replica_gets_few_new_prompts(replicas):
         busy = bs[0]
         busy.metrics = vllm_metrics(waiting=50, running=16, kv=0.95)
         with fault_envoy([b.addr for b in bs], "override_host") as envoy:
-            time.sleep(0.6)
+            queue = f"{stat_label(busy.addr)}.waiting"
+            assert wait_until(lambda: envoy.stat(queue) == 50), envoy.stat(queue)
 
             def send(i):
                 return request(envoy.port, body=completion(f"new prompt {i} " * 40))[0]

@@ -382,7 +382,8 @@ def test_a_trapped_vm_never_lets_a_client_pick_the_upstream(name):
                     status, _, _ = request(envoy.port, "GET", "/v1/models", headers=hdrs)
                 statuses.append(status)
                 time.sleep(0.02)
-            assert "debug_trap_on_request reached (1)" in envoy.log(), "the VM did not trap"
+            # The log file is flushed every 100 ms.
+            assert wait_until(lambda: "debug_trap_on_request reached (1)" in envoy.log()), "the VM did not trap"
         # The point of it all: no client-chosen request reached a canary.
         assert [len(served(c)) for c in canaries] == [0] * len(canaries), statuses
         upstream = [r for b in bs for r in served(b)]
