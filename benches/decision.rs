@@ -15,6 +15,9 @@
 //!   of the published table, the scraper's `eligible_count` per tick, and
 //!   a worker's `Router::refresh` when discovery publishes a new pool.
 //!
+//! - `affinity/*`: minting and verifying a session-affinity token, and
+//!   sealing and opening the affinity cookie (1 and 16 sessions).
+//!
 //! `cargo bench -p prefix-router --bench decision`
 
 // A benchmark, not the filter: a broken setup should stop it loudly.
@@ -252,9 +255,44 @@ fn parts(c: &mut Criterion) {
     g.finish();
 }
 
+/// Session affinity (opt-in): a token minted on each 2xx and verified on
+/// each request that carries one; the cookie sealed and opened likewise,
+/// with 1 and 16 (the default most) sessions.
+fn affinity(c: &mut Criterion) {
+    use prefix_router::affinity::{self, cookie};
+    let key = b"0123456789abcdef0123456789abcdef";
+    let mut g = c.benchmark_group("affinity");
+    g.bench_function("token_mint", |b| {
+        b.iter(|| affinity::mint(key, 0xdead_beef, 1_000_000))
+    });
+    let t = affinity::mint(key, 0xdead_beef, 1_000_000);
+    g.bench_function("token_verify", |b| {
+        b.iter(|| affinity::verify(key, t.as_bytes(), 1_000_001, 3600).expect("token"))
+    });
+    for sessions in [1u32, 16] {
+        let jar = (0..sessions).fold(cookie::Jar::default(), |j, i| {
+            let e = cookie::Entry {
+                replica: u64::from(i),
+                bytes: 1000 + i,
+                hash: u64::from(i) << 20,
+                issued: 1_000_000,
+            };
+            j.with(e, 16)
+        });
+        g.bench_function(BenchmarkId::new("cookie_seal", sessions), |b| {
+            b.iter(|| jar.seal(key))
+        });
+        let v = jar.seal(key);
+        g.bench_function(BenchmarkId::new("cookie_open", sessions), |b| {
+            b.iter(|| cookie::Jar::open(key, v.as_bytes(), 1_000_001, 3600).expect("cookie"))
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = part_benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = parts
+    targets = parts, affinity
 }
 criterion_main!(benches, part_benches);

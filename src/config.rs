@@ -484,6 +484,37 @@ impl Config {
             let why = "must differ from `destination_header`";
             return Err(invalid("affinity.header", why));
         }
+        // The token's header is removed from every request and replaced on
+        // every 2xx response: never one that carries something else.
+        const CARRIES_OTHER: [&str; 16] = [
+            "cookie",
+            "set-cookie",
+            "authorization",
+            "proxy-authorization",
+            "content-length",
+            "content-type",
+            "content-encoding",
+            "transfer-encoding",
+            "host",
+            "connection",
+            "te",
+            "upgrade",
+            "keep-alive",
+            "location",
+            "x-forwarded-for",
+            "x-forwarded-proto",
+        ];
+        let other = CARRIES_OTHER.contains(&a.header.as_str())
+            || a.header.starts_with("x-envoy-")
+            || a.header == self.priority_header
+            || a.header == crate::filter::DEBUG_HEADER;
+        if other {
+            let why = format!(
+                "`{}` carries something else; name a header of its own",
+                a.header
+            );
+            return Err(invalid("affinity.header", why));
+        }
         if a.key.len() < MIN_AFFINITY_KEY_BYTES {
             let why = format!(
                 "required: a secret of at least {MIN_AFFINITY_KEY_BYTES} bytes (got {})",
@@ -1003,6 +1034,32 @@ mod tests {
             r#"{{"header":"x-gateway-destination-endpoint","key":"{KEY}"}}"#
         ));
         assert!(err(&clash).contains("`affinity.header`"));
+        // Review finding: the token's header is removed from every request
+        // and replaced on every 2xx response. Named after a header that
+        // carries something else, that wiped the client's cookies or
+        // credentials before the upstream, or the upstream's own
+        // `set-cookie` (every copy) and the response's framing.
+        for name in [
+            "cookie",
+            "set-cookie",
+            "authorization",
+            "content-length",
+            "content-type",
+            "transfer-encoding",
+            "host",
+            "x-prefix-router-debug",
+            "x-prefix-router-priority",
+            "x-envoy-retry-on",
+        ] {
+            let json = with(&format!(r#"{{"header":"{name}","key":"{KEY}"}}"#));
+            let e = Config::parse(json.as_bytes())
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            assert!(
+                e.as_ref().is_err_and(|e| e.contains("`affinity.header`")),
+                "{name}: {e:?}"
+            );
+        }
         for name in ["", "a=b", "a b", "semi;colon", &"c".repeat(65)] {
             let json = with(&format!(r#"{{"key":"{KEY}","cookie":"{name}"}}"#));
             assert!(err(&json).contains("`affinity.cookie`"), "{name}");

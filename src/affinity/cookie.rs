@@ -41,7 +41,7 @@ use crate::endpoint::ReplicaId;
 use crate::headers::{self, Pairs};
 use crate::prefix::Probe;
 
-const DOMAIN: &[u8] = b"prefix-router/affinity-cookie/v1";
+const DOMAIN: &[u8] = b"prefix-router/affinity-cookie/v2";
 /// Most sessions one cookie can hold (`affinity.cookie_sessions` is at
 /// most this): 3,104 characters.
 pub const MAX_SESSIONS: usize = 64;

@@ -6,11 +6,17 @@
 //! refused (and counted by the caller), never followed.
 //!
 //! Token (in a header the client echoes on purpose): 56 lowercase hex
-//! characters: the replica id (8 bytes), the issue time in seconds (4
-//! bytes), then the first 16 bytes of
-//! HMAC-SHA256(key, "prefix-router/affinity/v1" | id | time). The cookie
+//! characters: the replica id (8 bytes) and the issue time in seconds (4
+//! bytes), encrypted, then the first 16 bytes of
+//! HMAC-SHA256(key, "prefix-router/affinity/v2" | id | time). The cookie
 //! (`cookie`), for clients that keep cookies instead, remembers several
 //! sessions, each by its last prompt.
+//!
+//! Every sealed value (token, cookie, response id) is encrypted as well as
+//! signed (`seal`): a replica id is an unkeyed hash of the replica's
+//! `ip:port`, so in the clear it told a client the internal address behind
+//! it (a /16 and a few ports tried in well under a second), and a cookie
+//! entry's prompt hash let its holder check a guessed prompt.
 
 pub mod cookie;
 pub mod response;
@@ -21,8 +27,10 @@ use thiserror::Error;
 
 use crate::endpoint::ReplicaId;
 
-const DOMAIN: &[u8] = b"prefix-router/affinity/v1";
+const DOMAIN: &[u8] = b"prefix-router/affinity/v2";
 const MAC_BYTES: usize = 16;
+/// Where the encryption's keystream is derived (`xor_pad`).
+const PAD_DOMAIN: &[u8] = b"prefix-router/pad/v1";
 const TOKEN_BYTES: usize = 8 + 4 + MAC_BYTES;
 /// How far ahead another gateway instance's clock may be (see `verify`).
 const MAX_CLOCK_SKEW_S: i64 = 60;
@@ -44,31 +52,75 @@ fn mac(key: &[u8], domain: &[u8], payload: &[u8]) -> Option<Hmac<Sha256>> {
     Some(m)
 }
 
-/// `payload` followed by its first `MAC_BYTES` of MAC, in lowercase hex.
+/// `payload`, encrypted, followed by the first `MAC_BYTES` of its MAC, in
+/// lowercase hex. The MAC is over the plain payload and doubles as the
+/// nonce of the encryption (as in SIV): the same payload seals alike, and
+/// a payload differs whenever what it says does (each holds an issue time).
 fn seal(key: &[u8], domain: &[u8], payload: &[u8]) -> String {
     let mut tag = [0u8; MAC_BYTES];
     if let Some(m) = mac(key, domain, payload) {
         tag.copy_from_slice(&m.finalize().into_bytes()[..MAC_BYTES]);
     }
-    // One string, not one per byte: a cookie holds up to 1,552 bytes.
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(2 * (payload.len() + tag.len()));
-    for &b in payload.iter().chain(&tag) {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 15)]));
-    }
-    out
+    let mut sealed = payload.to_vec();
+    xor_pad(key, domain, &tag, &mut sealed);
+    sealed.extend_from_slice(&tag);
+    hex(&sealed)
 }
 
 /// The payload of a sealed value, if its MAC verifies.
 fn open(key: &[u8], domain: &[u8], raw: &[u8]) -> Result<Vec<u8>, AffinityError> {
-    let (payload, tag) = raw
+    let (sealed, tag) = raw
         .split_at_checked(raw.len().wrapping_sub(MAC_BYTES))
         .ok_or(AffinityError::Malformed)?;
-    let m = mac(key, domain, payload).ok_or(AffinityError::Forged)?;
+    let mut payload = sealed.to_vec();
+    xor_pad(key, domain, tag, &mut payload);
+    verified(key, domain, payload, tag)
+}
+
+/// `payload` if `tag` is its MAC.
+fn verified(
+    key: &[u8],
+    domain: &[u8],
+    payload: Vec<u8>,
+    tag: &[u8],
+) -> Result<Vec<u8>, AffinityError> {
+    let m = mac(key, domain, &payload).ok_or(AffinityError::Forged)?;
     m.verify_truncated_left(tag)
         .map_err(|_| AffinityError::Forged)?;
-    Ok(payload.to_vec())
+    Ok(payload)
+}
+
+/// XOR `buf` with a keystream only the key's holders compute: HMAC-SHA256
+/// in counter mode under a key derived from (key, domain, tag). sha2 and
+/// hmac are here for the MAC already; a cookie of 16 sessions takes 13
+/// blocks.
+fn xor_pad(key: &[u8], domain: &[u8], tag: &[u8], buf: &mut [u8]) {
+    let Ok(mut derive) = Hmac::<Sha256>::new_from_slice(key) else {
+        return;
+    };
+    derive.update(PAD_DOMAIN);
+    derive.update(domain);
+    derive.update(tag);
+    let Ok(stream) = Hmac::<Sha256>::new_from_slice(&derive.finalize().into_bytes()) else {
+        return;
+    };
+    for (i, chunk) in buf.chunks_mut(32).enumerate() {
+        let mut block = stream.clone();
+        block.update(&(i as u32).to_be_bytes());
+        let pad = block.finalize().into_bytes();
+        chunk.iter_mut().zip(pad.iter()).for_each(|(b, p)| *b ^= p);
+    }
+}
+
+/// Lowercase hex, as one string (a cookie holds up to 1,552 bytes).
+fn hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 15)]));
+    }
+    out
 }
 
 /// Whether a token issued at `issued` (seconds, u32) is still good at
@@ -151,6 +203,24 @@ mod tests {
             verify(KEY, t.as_bytes(), 1_000_100, 3600),
             Ok(0xdead_beef_0000_0001)
         );
+    }
+
+    /// A replica id is an unkeyed xxh3 of the replica's `ip:port`: in the
+    /// clear, a token told a client the internal address behind it (a /16
+    /// and a few ports guessed in well under a second). Nor does any part
+    /// of the value repeat between two tokens for the same replica.
+    #[test]
+    fn a_token_does_not_disclose_its_replicas_address() {
+        let addr = "10.0.0.37:8000";
+        let id = crate::endpoint::replica_id(addr);
+        let t = mint(KEY, id, 1_000_000);
+        let found = (0..=255)
+            .map(|i| format!("10.0.0.{i}:8000"))
+            .find(|g| t.contains(&format!("{:016x}", crate::endpoint::replica_id(g))));
+        assert_eq!(found, None, "the token names its replica's address");
+        let later = mint(KEY, id, 1_000_001);
+        assert_ne!(t[..16], later[..16], "the same replica, the same bytes");
+        assert_eq!(verify(KEY, t.as_bytes(), 1_000_001, 60), Ok(id));
     }
 
     #[test]

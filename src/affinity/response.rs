@@ -10,15 +10,21 @@
 //! itself says: the filter sets the request's `request_id` (an extra
 //! parameter both servers take and use as the response's id) to
 //! `resp_` and 72 lowercase hex characters: the replica id (8 bytes),
-//! the issue time (4), a nonce unique to this VM's request (8), then 16
-//! bytes of HMAC-SHA256(key, "prefix-router/response/v1" | those). Any
-//! instance with the key reads the replica back; a client can't name a
-//! replica of its choosing (the MAC), only one an id it was given names.
+//! the issue time (4) and a nonce unique to this VM's request (8),
+//! encrypted (`super::seal`), then 16 bytes of
+//! HMAC-SHA256(key, "prefix-router/response/v2" | those). Any instance
+//! with the key reads the replica back; a client can't name a replica of
+//! its choosing (the MAC), only one an id it was given names, and can't
+//! tell which address that is.
 
-use super::{open, seal, u64_at, unhex, AffinityError, MAC_BYTES};
+use super::{open, seal, u64_at, unhex, verified, AffinityError, MAC_BYTES};
 use crate::endpoint::ReplicaId;
 
-const DOMAIN: &[u8] = b"prefix-router/response/v1";
+const DOMAIN: &[u8] = b"prefix-router/response/v2";
+/// The ids of builds before the encryption: the same fields in the clear.
+/// Still read, since a stored response outlives a rollout (its
+/// conversation's next turn must still find it); no longer minted.
+const DOMAIN_V1: &[u8] = b"prefix-router/response/v1";
 /// How the servers' own ids start; kept, so clients see the usual shape.
 const PREFIX: &[u8] = b"resp_";
 const PAYLOAD_BYTES: usize = 8 + 4 + 8;
@@ -43,7 +49,10 @@ pub fn mint(key: &[u8], replica: ReplicaId, now_s: u64, nonce: u64) -> String {
 pub fn replica_of(key: &[u8], id: &[u8]) -> Result<ReplicaId, AffinityError> {
     let hex = id.strip_prefix(PREFIX).ok_or(AffinityError::Malformed)?;
     let raw = unhex(hex, ID_BYTES..=ID_BYTES)?;
-    let payload = open(key, DOMAIN, &raw)?;
+    let payload = open(key, DOMAIN, &raw).or_else(|e| {
+        let (plain, tag) = raw.split_at_checked(PAYLOAD_BYTES).ok_or(e)?;
+        verified(key, DOMAIN_V1, plain.to_vec(), tag)
+    })?;
     Ok(u64_at(&payload))
 }
 
@@ -121,6 +130,31 @@ mod tests {
         assert_eq!(replica_of(KEY, id.as_bytes()), Ok(0xdead_beef_0000_0001));
         // Another request's id for the same replica differs.
         assert_ne!(id, mint(KEY, 0xdead_beef_0000_0001, 1_000_000, 43));
+    }
+
+    #[test]
+    fn an_id_shows_nothing_of_its_replica_and_old_ids_still_resolve() {
+        let replica = 0xdead_beef_0000_0001_u64;
+        let id = mint(KEY, replica, 1_000_000, 42);
+        assert!(!id.contains(&format!("{replica:016x}")), "{id}");
+        // An id minted by a build before the encryption: the fields in
+        // the clear, signed under the old domain. Its conversation's next
+        // turn still finds the replica after a rollout.
+        let mut plain = Vec::new();
+        plain.extend_from_slice(&replica.to_be_bytes());
+        plain.extend_from_slice(&1_000_000_u32.to_be_bytes());
+        plain.extend_from_slice(&42_u64.to_be_bytes());
+        let mut tag = [0u8; MAC_BYTES];
+        let m = super::super::mac(KEY, DOMAIN_V1, &plain).unwrap();
+        tag.copy_from_slice(&hmac::Mac::finalize(m).into_bytes()[..MAC_BYTES]);
+        plain.extend_from_slice(&tag);
+        let old = format!("resp_{}", super::super::hex(&plain));
+        assert!(old.contains(&format!("{replica:016x}")));
+        assert_eq!(replica_of(KEY, old.as_bytes()), Ok(replica));
+        // Not under another key, nor with a bit flipped.
+        let mut forged = old.clone().into_bytes();
+        forged[5 + 15] = if forged[5 + 15] == b'1' { b'2' } else { b'1' };
+        assert_eq!(replica_of(KEY, &forged), Err(AffinityError::Forged));
     }
 
     #[test]

@@ -32,7 +32,8 @@ pub(super) struct Body<'a> {
     pub previous_response_id: Option<Cow<'a, str>>,
     /// `store` is not `false` (the Responses API's default is to store).
     pub store: bool,
-    /// The client named the request (`request_id`) itself.
+    /// The body has a `request_id` (any value, `null` too): the client
+    /// named the request itself, or a name put first would lose to it.
     pub request_id: bool,
 }
 
@@ -125,7 +126,12 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"input" => b.input = nullable(r, input)?,
             b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
             b"store" => b.store = stores(r)?,
-            b"request_id" => b.request_id = !r.null()? && !r.skip()?.is_empty(),
+            // Any `request_id` member, `null` too: a name the filter puts
+            // first loses to it (the server's parser keeps the last).
+            b"request_id" => {
+                r.skip()?;
+                b.request_id = true;
+            }
             _ => {
                 r.skip()?;
             }
