@@ -365,7 +365,8 @@ impl HttpFilter {
     /// +75-80 without it).
     /// `stored`: the answer is a success, so a named response was stored
     /// where it was served. False when a host outside the pool answered
-    /// (no replica of the pool can be named for it).
+    /// (no replica of the pool can be named for it, and the pick keeps
+    /// nothing of the request but its load until it ends).
     fn follow_the_upstream<H: Host>(&mut self, h: &H, stored: bool) -> bool {
         let (Some(routed), Some(w)) = (self.routed.as_mut(), &self.worker) else {
             return true;
@@ -389,6 +390,10 @@ impl HttpFilter {
         }
         let known = w.router.endpoints().iter().any(|e| e.id() == served.id());
         if !known {
+            // The pick ran nothing, whatever the status: the prompt's
+            // credit and its count as new content go, as for a refusal.
+            drop(w);
+            self.uncredit(h);
             return false;
         }
         let now = h.now_ms();

@@ -1711,6 +1711,13 @@ fn a_success_served_outside_the_pool_names_no_replica() {
     assert_eq!(fake.count_of(Map::Response, "set-cookie"), 0);
     s.on_log(&fake);
     assert!(in_flight(&fake).is_empty());
+    // Nor is the prompt looked for on the pick, nor counted there as a
+    // session started.
+    assert_eq!(fake.stat("index.uncredited"), 1);
+    assert_eq!(branches(&fake), HashMap::new());
+    let mut s = post(&fake, &w, &[], &conversation(0, 1));
+    assert_eq!(fake.stat("matched_blocks"), 0);
+    s.on_log(&fake);
 }
 
 #[test]
