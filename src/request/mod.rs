@@ -895,6 +895,21 @@ mod tests {
         assert!(extract(br#"{"prompt":[1.5e0]}"#, 100).is_err());
     }
 
+    /// A body that starts with a UTF-8 byte order mark is the same request
+    /// (the servers' parser skips it); only at the start.
+    #[test]
+    fn a_byte_order_mark_is_skipped() {
+        let plain = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        let marked = [&b"\xEF\xBB\xBF"[..], plain.as_bytes()].concat();
+        assert_eq!(
+            extract(&marked, 1 << 20).map(|p| p.text).ok(),
+            Some(extract(plain.as_bytes(), 1 << 20).unwrap().text)
+        );
+        assert!(extract(&marked[..2], 1 << 20).is_err());
+        let inside = [&b" "[..], &marked].concat();
+        assert!(extract(&inside, 1 << 20).is_err());
+    }
+
     /// A whole number in exponent form is a token id too: the server reads
     /// it as a float (Python's `json`) and pydantic's lax int takes a float
     /// without a fraction, as `stores` already reads `1e0` as 1.
