@@ -515,8 +515,8 @@ impl<S: Store + ?Sized> Prober<'_, S> {
         // turn's end freshly stamped every time, and if that were all
         // `record` looked at, its first checkpoints (which every lookup
         // starts from) would never be re-stamped and would be evicted
-        // first however hot they are.
-        let _ = self.get(lo - 1);
+        // first however hot they are. (Every checkpoint below `lo` that
+        // was read is in the cache: `lo` comes from a probe.)
         let stamped = (self.cache.iter())
             .filter(|(&j, _)| j < lo)
             .filter_map(|(_, e)| e.as_ref()?.holders.iter().find(|h| h.id == id))

@@ -124,17 +124,6 @@ struct Credited {
     held: u32,
     /// The prompt's blocks (`Choice::blocks`), counted as sent to the pick.
     blocks: u32,
-    /// What each other replica the index named held of it (with affinity
-    /// on: where it may be served instead).
-    others: Vec<(ReplicaId, u32)>,
-}
-
-impl Credited {
-    fn held_by(&self, id: ReplicaId) -> u32 {
-        (self.others.iter())
-            .find(|(r, _)| *r == id)
-            .map_or(0, |(_, held)| *held)
-    }
 }
 
 /// A stream's affinity cookie (with `affinity.cookie`): the sessions the
@@ -288,14 +277,12 @@ impl HttpFilter {
         // (see `ran_nothing`), on the replica that failed it, which is not
         // the pick when the pick refused the connection first.
         let nameable = self.follow_the_upstream(h, success);
-        // Only a success names a replica to come back to. Not a failure (an
-        // upstream 5xx, or Envoy's own 503 or 504 once retries ran out),
-        // nor a refusal (a 429 from a replica that is rate limiting, a 404
-        // for a stored response it doesn't hold, a 400): the turn didn't
-        // run there, and the session's replica is where the client's last
-        // token or cookie says.
-        // Nor does one a host outside the pool served: the pick ran
-        // nothing, and the client's last token or cookie still holds.
+        // Only a success from a replica of the pool names one to come back
+        // to. Not a failure (an upstream 5xx, or Envoy's own 503 or 504
+        // once retries ran out), a refusal (a 429 from a replica that is
+        // rate limiting, a 404 for a stored response it doesn't hold, a
+        // 400), nor an answer from a host outside the pool: the session's
+        // replica is where the client's last token or cookie says.
         if !success || !nameable {
             return Action::Continue;
         }
@@ -413,7 +400,9 @@ impl HttpFilter {
         if let Some(c) = &self.credited {
             w.board.unsend(routed.replica, c.blocks, c.held);
             moved.blocks = c.blocks;
-            moved.held = c.held_by(served.id());
+            // Looked up here, on this rare path, not kept from the
+            // decision for every request.
+            moved.held = w.router.held(h.store(), &c.checkpoints, served.id());
         }
         w.board.start(h.store(), served.id(), moved, now);
         if let Some(c) = self.credited.take() {
@@ -532,18 +521,10 @@ impl HttpFilter {
             placed,
         });
         if !hashed.is_empty() {
-            // Only `follow_the_upstream` (affinity on) reads the others.
-            let others = match w.router.config.affinity.is_some() {
-                true => (choice.matches.blocks.iter())
-                    .map(|(&id, m)| (id, m.blocks))
-                    .collect(),
-                false => Vec::new(),
-            };
             self.credited = Some(Credited {
                 checkpoints: hashed.checkpoints,
                 held: choice.matched,
                 blocks: choice.blocks,
-                others,
             });
         }
         w.stats.ensure_replica(h, &ep).routed.inc(h);

@@ -759,6 +759,17 @@ impl Router {
         self.index.moved(store, cps, from, from_held, to, now_s)
     }
 
+    /// The leading blocks of a prompt (its checkpoints) the index credits
+    /// `replica` with now.
+    pub fn held<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        cps: &[Checkpoint],
+        replica: ReplicaId,
+    ) -> u32 {
+        self.index.lookup(store, cps).get(replica)
+    }
+
     /// A request committed to `replica` was refused there: its prompt
     /// leaves the index (see `PrefixIndex::uncredit`).
     pub fn uncredit<S: Store + ?Sized>(
