@@ -747,9 +747,11 @@ fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {
         s.request_blocks_total.add(h, c.blocks as i64);
         s.matched_blocks_total.add(h, c.matched as i64);
     }
-    // Zero increments are host calls for nothing: skip them.
+    // Zero increments are host calls for nothing: skip them. The
+    // `decision.*` counters count requests, however many replicas each
+    // one concerned.
     for (m, v) in [
-        (s.credit_withheld, c.withheld),
+        (s.credit_withheld, u32::from(c.withheld > 0)),
         (s.replica_evicting, u32::from(c.evicting > 0)),
         (s.replica_hot, u32::from(c.hot > 0)),
         (s.index_entries, rec.inserted),

@@ -1738,3 +1738,31 @@ fn a_refusal_the_host_would_not_send_does_not_hang_the_stream() {
     assert_eq!(fake.header(Map::Request, DEST), None);
     s.on_log(&fake);
 }
+
+/// `decision.credit_withheld` counts requests, as its siblings
+/// `replica_evicting` and `replica_hot` do and as the README's stats
+/// table says: a request whose prefix two evicting replicas held (two
+/// copies) added 2.
+#[test]
+fn credit_withheld_counts_requests_not_replicas() {
+    let h = Fake::new();
+    let stats = Stats::define(&h, &[]);
+    let choice = Choice {
+        order: vec![0],
+        reason: Reason::NewPrefix,
+        blocks: 8,
+        matched: 0,
+        stamped: 0,
+        work: 16,
+        matches: crate::index::Matches::default(),
+        home: None,
+        withheld: 2,
+        evicting: 2,
+        hot: 0,
+        blind: false,
+    };
+    count(&h, &stats, &choice, RecordStats::default());
+    assert_eq!(h.stat("decision.credit_withheld"), 1);
+    assert_eq!(h.stat("decision.replica_evicting"), 1);
+    assert_eq!(h.stat("requests_total"), 1);
+}
