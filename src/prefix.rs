@@ -12,8 +12,8 @@
 //! `per_doubling` checkpoints, and always one at the last whole block. So
 //! the prompt's identity reaches its end (a divergence at 900 KB is seen),
 //! while the checkpoints of a prompt of `n` blocks stay bounded:
-//! `dense / stride + per_doubling x log2(n / dense) + 1` (about 100 for
-//! 1 MiB with the defaults). A divergence deep in a long prompt is located
+//! `dense / stride + per_doubling x log2(n / dense) + 1` (257 for 1 MiB
+//! with the defaults). A divergence deep in a long prompt is located
 //! to within one gap, at most `1 / per_doubling` of its depth.
 //!
 //! H is xxh3-64 seeded with the previous hash: one call per checkpoint
