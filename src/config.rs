@@ -743,10 +743,6 @@ mod tests {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
     }
 
-    /// The README's configuration table states each key's default, and
-    /// its samples (and the operators' guide's) are what operators paste:
-    /// both must hold for this
-    /// build (a default changed in code, a key renamed, a stale sample).
     #[test]
     fn stored_responses_without_a_fallback_address_are_advised_against() {
         let key = "0123456789abcdef0123456789abcdef-test";
@@ -777,6 +773,10 @@ mod tests {
         assert!(with(r#","scrape_timeout_ms":3000,"staleness_ms":4000"#).is_empty());
     }
 
+    /// The README's configuration table states each key's default, and
+    /// its samples (and the operators' guide's) are what operators paste:
+    /// both must hold for this
+    /// build (a default changed in code, a key renamed, a stale sample).
     #[test]
     fn the_readme_states_the_real_defaults_and_its_samples_parse() {
         let readme = include_str!("../README.md");
