@@ -472,14 +472,8 @@ class Router:
                     cfg = envoy_config(self.kind, self.pool, harness.free_port(), harness.free_port(),
                                        self.envoy_instances, self.plugin)
                     env = harness.Envoy(cfg, concurrency=self.envoy_concurrency)
-                    try:
-                        env.__enter__()
-                    except BaseException:
-                        # harness.Envoy leaves the process running when it
-                        # fails to become ready: kill it here.
-                        kill(env.proc)
-                        env.dir.cleanup()
-                        raise
+                    # An Envoy that fails to become ready is killed there.
+                    env.__enter__()
                     own(env.proc)
                     self.stack.push(env.__exit__)
                     self.envoys.append(env)

@@ -359,7 +359,14 @@ class Envoy:
         with self.stderr_path.open("wb") as stderr:
             self.proc = self._spawn(cfg_path, stderr)
         if self.expect_start:
-            self._wait_ready()
+            try:
+                self._wait_ready()
+            except BaseException:
+                # `with` calls __exit__ only after __enter__ returned: an
+                # Envoy that never got ready (or a Ctrl-C while waiting)
+                # would outlive the test. The error quotes its log.
+                self.__exit__()
+                raise
         return self
 
     def _spawn(self, cfg_path: Path, stderr) -> subprocess.Popen:
