@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import math
 import os
+import queue
 import shlex
 import shutil
 import signal
@@ -142,21 +143,41 @@ class Sim:
         self.proc: subprocess.Popen | None = None
         self.addrs: list[str] = []
 
+    # How long replica-sim may take to announce every replica.
+    START_TIMEOUT_S = 30.0
+
     def __enter__(self):
         if not SIM_BIN.exists():
             raise RuntimeError(f"{SIM_BIN} missing: cargo build --release -p replica-sim")
         self.proc = own(subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        deadline = time.time() + 30
-        while len(self.addrs) < self.replicas and time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"replica-sim exited: {self.proc.stderr.read()[-2000:]}")
-            if line.startswith("replica-sim listening on "):
-                self.addrs.append(line.split()[-1])
-        if len(self.addrs) < self.replicas:
-            raise RuntimeError("replica-sim did not announce all replicas in 30 s")
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        # stdout is read in a thread (which keeps draining it, so the child
+        # never blocks on a full pipe): a readline() here would wait past
+        # the deadline for a replica-sim that prints nothing.
+        announced: queue.Queue[str | None] = queue.Queue()
+
+        def pump():
+            for line in self.proc.stdout:
+                if line.startswith("replica-sim listening on "):
+                    announced.put(line.split()[-1])
+            announced.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        try:
+            while len(self.addrs) < self.replicas:
+                try:
+                    addr = announced.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeError(
+                        f"replica-sim did not announce all replicas in {self.START_TIMEOUT_S:.0f} s"
+                    ) from None
+                if addr is None:
+                    raise RuntimeError(f"replica-sim exited: {self.proc.stderr.read()[-2000:]}")
+                self.addrs.append(addr)
+        except BaseException:
+            # `with` calls __exit__ only after __enter__ returned.
+            kill(self.proc)
+            raise
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()
         return self
 

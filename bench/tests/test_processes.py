@@ -5,6 +5,7 @@ stand in for Envoy and replica-sim; no Envoy, no simulator."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,26 @@ def test_an_envoy_that_never_gets_ready_is_killed(tmp_path, monkeypatch):
     finally:
         reap(env.proc)
 
+
+def test_a_replica_sim_that_never_announces_is_given_up_on_and_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(orchestrate, "SIM_BIN", silent_process(tmp_path))
+    monkeypatch.setattr(orchestrate.Sim, "START_TIMEOUT_S", 0.5, raising=False)
+    sim = orchestrate.Sim(2, "fast", 1.0, None)
+    raised: list[BaseException] = []
+
+    def start():
+        try:
+            sim.__enter__()
+        except BaseException as e:  # noqa: BLE001  (what the test checks)
+            raised.append(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(timeout=15)
+    try:
+        assert not t.is_alive(), "Sim start-up waited past its deadline"
+        assert raised and isinstance(raised[0], RuntimeError), raised
+        assert sim.proc.poll() is not None, "the replica-sim that failed to start is still running"
+    finally:
+        reap(sim.proc)
+        t.join(timeout=10)
