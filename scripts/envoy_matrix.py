@@ -14,7 +14,7 @@ at envoy/_bin/envoy); the project's .venv Envoy is used for the line it
 already has. The core tests run with PREFIX_ROUTER_ENVOY pointing at that
 binary (tests/e2e/harness.py: envoy_bin()), selected by node id; the test
 files are not changed. Each pytest run is its own process group, killed on
-timeout; the tests themselves kill every Envoy and backend they start.
+timeout and when this script is interrupted (Ctrl-C, SIGTERM); the tests themselves kill every Envoy and backend they start.
 """
 from __future__ import annotations
 
@@ -194,6 +194,21 @@ def select(collected: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """Kill a process started with start_new_session and its group (pytest
+    and the Envoys and backends it started)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=15)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_version(line: str, version: str, binary: Path, timeout: float) -> dict:
     outdir = WORK / ("run-" + re.sub(r"[^0-9A-Za-z.]+", "_", version).strip("_"))
     outdir.mkdir(parents=True, exist_ok=True)
@@ -223,12 +238,11 @@ def run_version(line: str, version: str, binary: Path, timeout: float) -> dict:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
+            stop_group(proc)
+        except BaseException:
+            # Its own session: a Ctrl-C at the terminal never reaches it.
+            stop_group(proc)
+            raise
     elapsed = time.time() - t0
     results: dict[str, tuple[str, str]] = {}
     if junit.exists():
@@ -312,7 +326,14 @@ def report(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _on_sigterm(signum, _frame):
+    # Unwind (run_version kills the pytest group it started) instead of
+    # dying at once and leaving it running.
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", default=None,
                     help=f"comma-separated Envoy lines (x.y: the pinned release) or releases (x.y.z) "

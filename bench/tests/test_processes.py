@@ -4,6 +4,8 @@ killed by pid, and waiting for it is bounded in time. Fake executables
 stand in for Envoy and replica-sim; no Envoy, no simulator."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -74,3 +76,52 @@ def test_a_replica_sim_that_never_announces_is_given_up_on_and_killed(tmp_path, 
     finally:
         reap(sim.proc)
         t.join(timeout=10)
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie is left."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_envoy_matrix_kills_its_pytest_run_when_interrupted(tmp_path, monkeypatch):
+    """The pytest run is its own session (so a timeout can kill its whole
+    group): a Ctrl-C at the terminal does not reach it, so scripts/envoy-matrix
+    must kill it when it is interrupted, or it runs on with its Envoys."""
+    import _thread
+
+    sys.path.insert(0, str(BENCH.parent / "scripts"))
+    import envoy_matrix
+
+    pidfile = tmp_path / "pytest.pid"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake_python.chmod(0o755)
+    fake_envoy = tmp_path / "envoy"
+    fake_envoy.write_text("#!/bin/sh\nexit 0\n")
+    fake_envoy.chmod(0o755)
+    monkeypatch.setattr(envoy_matrix, "PY", fake_python)
+    monkeypatch.setattr(envoy_matrix, "WORK", tmp_path / "work")
+    monkeypatch.setattr(envoy_matrix, "wasm_runtimes", lambda _: ["envoy.wasm.runtime.v8"])
+    monkeypatch.setattr(envoy_matrix, "collect", lambda _: ["tests/e2e/test_x.py::test_y"])
+
+    def interrupt_once_started():
+        for _ in range(100):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            threading.Event().wait(0.05)
+        _thread.interrupt_main()
+
+    timer = threading.Thread(target=interrupt_once_started, daemon=True)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        envoy_matrix.run_version("1.40", "1.40.0", fake_envoy, timeout=60)
+    timer.join(timeout=10)
+    pid = int(pidfile.read_text())
+    try:
+        assert process_gone(pid), "the interrupted run's pytest is still running"
+    finally:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGKILL)
