@@ -34,9 +34,11 @@ import contextlib
 import itertools
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -59,12 +61,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+# How long the echo backend may take to say it is listening.
+ECHO_START_TIMEOUT_S = 30.0
+
+
 @contextlib.contextmanager
 def echo_backend():
     port = harness.free_port()
     proc = subprocess.Popen([str(TOOL), "echo", "--port", str(port)], stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
+        # Read in a thread (which then keeps draining the pipe): a plain
+        # readline() waits forever for a backend that prints nothing.
+        first: queue.Queue[str] = queue.Queue()
+
+        def pump():
+            for line in proc.stdout:
+                first.put(line)
+            first.put("")
+
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            line = first.get(timeout=ECHO_START_TIMEOUT_S)
+        except queue.Empty:
+            line = f"nothing in {ECHO_START_TIMEOUT_S:.0f} s"
         if "listening" not in line:
             raise RuntimeError(f"echo backend did not start: {line!r}")
         yield f"127.0.0.1:{port}"

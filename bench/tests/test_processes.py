@@ -125,3 +125,36 @@ def test_envoy_matrix_kills_its_pytest_run_when_interrupted(tmp_path, monkeypatc
     finally:
         if not process_gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_echo_backend_that_never_announces_is_given_up_on(tmp_path, monkeypatch):
+    import overhead
+
+    monkeypatch.setattr(overhead, "TOOL", silent_process(tmp_path))
+    monkeypatch.setattr(overhead, "ECHO_START_TIMEOUT_S", 0.5, raising=False)
+    raised: list[BaseException] = []
+
+    def start():
+        try:
+            with overhead.echo_backend():
+                pass
+        except BaseException as e:  # noqa: BLE001  (what the test checks)
+            raised.append(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(timeout=15)
+    if t.is_alive():
+        # Unblock it: the only `sleep 300` this test started.
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and os.getppid() != int(pid):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError):
+                    continue
+                if ppid == os.getpid() and cmd.startswith(b"sleep\x00300"):
+                    os.kill(int(pid), signal.SIGKILL)
+        t.join(timeout=10)
+        pytest.fail("echo_backend start-up waited past its deadline")
+    assert raised and isinstance(raised[0], RuntimeError), raised
