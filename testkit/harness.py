@@ -211,7 +211,10 @@ class Backend:
         """Die like a killed process: refuse new connections and reset the
         open ones (Envoy's pooled keep-alive connections included)."""
         if self.server is not None:
-            self.server.shutdown()
+            # shutdown() waits for serve_forever to end: forever if it never
+            # ran (stopped before __enter__, or __enter__ failed).
+            if self.thread.ident is not None:
+                self.server.shutdown()
             self.server.server_close()
             self.server = None
         with self.lock:

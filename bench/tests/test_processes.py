@@ -158,3 +158,17 @@ def test_an_echo_backend_that_never_announces_is_given_up_on(tmp_path, monkeypat
         t.join(timeout=10)
         pytest.fail("echo_backend start-up waited past its deadline")
     assert raised and isinstance(raised[0], RuntimeError), raised
+
+
+def test_a_backend_never_started_stops_at_once():
+    """stop() (what `with` and a test's `finally` call) on a Backend whose
+    thread never ran returns instead of waiting forever on serve_forever."""
+    be = harness.Backend()
+    t = threading.Thread(target=be.stop, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    if t.is_alive():
+        # Unblock it: start the loop its shutdown() waits for.
+        be.thread.start()
+        t.join(timeout=5)
+        pytest.fail("Backend.stop() waited forever for a server loop that never ran")
