@@ -405,6 +405,9 @@ struct Ask<'a> {
     /// Group or session key.
     key: &'a str,
     turn: Option<usize>,
+    /// The request's index in a plan of requests (open or closed loop),
+    /// which picks its target with `--random-target`.
+    index: Option<usize>,
     /// The session-affinity token to send back.
     affinity: Option<&'a str>,
 }
@@ -418,7 +421,16 @@ impl<'a> Ask<'a> {
             prompt: None,
             key,
             turn: None,
+            index: None,
             affinity: None,
+        }
+    }
+
+    /// Request `index` of a plan of requests.
+    fn planned(index: usize, path: &'a str, body: &'a Value, key: &'a str) -> Self {
+        Ask {
+            index: Some(index),
+            ..Ask::one(path, body, key)
         }
     }
 }
@@ -453,19 +465,23 @@ impl Run {
             prompt,
             key,
             turn,
+            index,
             affinity,
         } = ask;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let n = self.pools.len().max(1);
-        let target = match (self.random_target, turn) {
+        let target = match (self.random_target, turn, index) {
             // A session's turn by the session and turn: ids follow the order
             // the turns were sent in, which the router's speed decides, so
             // the same turn reached a different instance from run to run.
-            (Some(seed), Some(t)) => {
+            (Some(seed), Some(t), _) => {
                 (text::Rng::derive(seed, key, t as u64).next_u64() % n as u64) as usize
             }
-            (Some(seed), None) => pick(seed, id, n),
-            (None, _) => target,
+            // A planned request by its index, for the same reason: ids follow
+            // the order its task and its neighbours' ran in, not the plan's.
+            (Some(seed), None, Some(i)) => pick(seed, i, n),
+            (Some(seed), None, None) => pick(seed, id, n),
+            (None, ..) => target,
         };
         let start_s = self.t0.elapsed().as_secs_f64();
         let bytes = Bytes::from(body.to_string());
@@ -591,7 +607,8 @@ async fn run_open(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline: T
         };
         let run = run.clone();
         tasks.spawn(async move {
-            run.request(i, Ask::one(r.path, &r.body, &r.key)).await;
+            run.request(i, Ask::planned(i, r.path, &r.body, &r.key))
+                .await;
             drop(permit);
         });
         // Reap finished tasks so the set stays small.
@@ -613,7 +630,8 @@ async fn run_closed(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline:
                 if TInstant::now() > send_deadline {
                     break;
                 }
-                run.request(client, Ask::one(r.path, &r.body, &r.key)).await;
+                run.request(client, Ask::planned(i, r.path, &r.body, &r.key))
+                    .await;
             }
         });
     }
@@ -1011,7 +1029,7 @@ mod session_tests {
         l.local_addr().unwrap().to_string()
     }
 
-    fn slow_server(delay: Duration) -> String {
+    pub(super) fn slow_server(delay: Duration) -> String {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
@@ -1068,7 +1086,7 @@ mod session_tests {
         (cli, sessions)
     }
 
-    fn run(cli: &Cli, random: bool, hard: Duration) -> Arc<Run> {
+    pub(super) fn run(cli: &Cli, random: bool, hard: Duration) -> Arc<Run> {
         let t0 = TInstant::now();
         Arc::new(Run {
             pools: cli.target.iter().map(|t| Pool::new(t.clone())).collect(),
@@ -1150,5 +1168,56 @@ mod session_tests {
         assert!(maps.windows(2).all(|w| w[0] == w[1]), "{maps:?}");
         let used: std::collections::BTreeSet<usize> = maps[0].values().copied().collect();
         assert!(used.len() > 1, "{used:?}");
+    }
+}
+
+/// Open-loop runs against a local stand-in.
+#[cfg(test)]
+mod open_tests {
+    use std::time::Duration;
+
+    use clap::Parser;
+
+    use super::session_tests::{run, slow_server};
+    use super::{pick, run_open, Cli, Plan};
+
+    /// With random instances, request i of the plan goes to the instance
+    /// its seed and index pick, whichever order the sends' tasks ran in
+    /// (they all start at once here): two routers' runs send the same
+    /// request to the same instance.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_open_loop_request_goes_to_the_instance_its_plan_index_picks() {
+        let addr = slow_server(Duration::from_millis(5));
+        let targets = format!("{addr},{addr},{addr}");
+        let cli = Cli::parse_from([
+            "prefix-bench",
+            "--target",
+            &targets,
+            "--random-target",
+            "--rate",
+            "0",
+            "unique",
+            "--prompts",
+            "500",
+            "--prompt-tokens",
+            "8",
+        ]);
+        let Ok((_, Plan::Requests(reqs), _)) = super::plan(&cli) else {
+            panic!("a request plan");
+        };
+        let r = run(&cli, true, Duration::from_secs(20));
+        run_open(r.clone(), reqs, &cli, r.t0 + Duration::from_secs(10)).await;
+        let recs = r.records.lock().unwrap().clone();
+        assert_eq!(recs.len(), 500);
+        for rec in &recs {
+            assert!(rec.ok, "{rec:?}");
+            let i: usize = rec.key.strip_prefix("req-").unwrap().parse().unwrap();
+            assert_eq!(
+                rec.target,
+                pick(cli.seed, i, 3),
+                "request {i} (sent as {})",
+                rec.id
+            );
+        }
     }
 }
