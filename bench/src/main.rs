@@ -624,18 +624,23 @@ async fn run_closed(run: Arc<Run>, reqs: Vec<Planned>, cli: &Cli, send_deadline:
     for client in 0..cli.concurrency.max(1) {
         let (run, reqs, next) = (run.clone(), reqs.clone(), next.clone());
         tasks.spawn(async move {
-            loop {
+            // The deadline before taking a request, so every request taken
+            // is sent and the rest are left for `unsent` below.
+            while TInstant::now() <= send_deadline {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(r) = reqs.get(i) else { break };
-                if TInstant::now() > send_deadline {
-                    break;
-                }
                 run.request(client, Ask::planned(i, r.path, &r.body, &r.key))
                     .await;
             }
         });
     }
     while tasks.join_next().await.is_some() {}
+    // Requests never sent are errors, as a session's unsent turns are:
+    // left out, a slower router's summary covered fewer requests.
+    let taken = next.load(Ordering::Relaxed).min(reqs.len());
+    for (i, r) in reqs.iter().enumerate().skip(taken) {
+        run.error_record(i, &r.key, None, "not sent: the run's send deadline passed");
+    }
 }
 
 async fn run_conversations(
@@ -1171,7 +1176,7 @@ mod session_tests {
     }
 }
 
-/// Open-loop runs against a local stand-in.
+/// Open- and closed-loop runs against a local stand-in.
 #[cfg(test)]
 mod open_tests {
     use std::time::Duration;
@@ -1179,7 +1184,7 @@ mod open_tests {
     use clap::Parser;
 
     use super::session_tests::{run, slow_server};
-    use super::{pick, run_open, Cli, Plan};
+    use super::{pick, run_closed, run_open, stats, Cli, Plan};
 
     /// With random instances, request i of the plan goes to the instance
     /// its seed and index pick, whichever order the sends' tasks ran in
@@ -1219,5 +1224,46 @@ mod open_tests {
                 rec.id
             );
         }
+    }
+
+    /// Closed loop: the requests the clients never sent before the send
+    /// deadline are errors in the summary, as a session's unsent turns
+    /// are; left out, a slower router's summary covered fewer requests.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn closed_loop_requests_never_sent_are_counted_as_errors() {
+        let addr = slow_server(Duration::from_millis(100));
+        let cli = Cli::parse_from([
+            "prefix-bench",
+            "--target",
+            &addr,
+            "--mode",
+            "closed",
+            "--concurrency",
+            "2",
+            "unique",
+            "--prompts",
+            "20",
+            "--prompt-tokens",
+            "8",
+        ]);
+        let Ok((_, Plan::Requests(reqs), _)) = super::plan(&cli) else {
+            panic!("a request plan");
+        };
+        let r = run(&cli, false, Duration::from_secs(20));
+        run_closed(r.clone(), reqs, &cli, r.t0 + Duration::from_millis(250)).await;
+        let recs = r.records.lock().unwrap().clone();
+        let s = stats::summarize(&recs, &[], cli.time_scale, 1);
+        assert_eq!(s.requests, 20);
+        assert!(s.ok > 0 && s.ok < 20, "{} ok", s.ok);
+        assert_eq!(s.errors, 20 - s.ok);
+        assert!(recs.iter().filter(|r| !r.ok).all(|r| r
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("not sent"))));
+        // Every planned request once.
+        let mut keys: Vec<&str> = recs.iter().map(|r| r.key.as_str()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), 20);
     }
 }
