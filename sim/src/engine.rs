@@ -192,8 +192,10 @@ impl Engine {
             self.drain_inbox();
             let plan = self.schedule();
             if plan.prefill_tokens == 0 && plan.decode_seqs == 0 {
-                // Only unadmittable or abandoned work: wait for news.
+                // Only unadmittable or abandoned work: wait for news, with
+                // gauges that no longer count what was dropped.
                 self.drop_abandoned();
+                self.publish_gauges();
                 if self.running.is_empty() && !self.park().await {
                     return;
                 }
@@ -685,6 +687,33 @@ mod tests {
             a_done |= matches!(ev, Event::Done(_));
         }
         assert!(a_done, "adapter 1 ran while adapter 0 held the only slot");
+    }
+
+    /// Requests whose clients left while they waited are dropped when
+    /// they reach the head of the queue; the waiting gauge says so even
+    /// when nothing is left to run (before, it kept showing them on an
+    /// idle replica until the next request, and a router shunned it).
+    #[tokio::test(start_paused = true)]
+    async fn requests_abandoned_while_waiting_leave_the_waiting_gauge() {
+        let cfg = Preset::Fast.config();
+        let (h, m) = start(cfg.clone());
+        let mut busy = Vec::new();
+        for i in 0..cfg.max_num_seqs as u32 {
+            busy.push(submit(&h, &prompt(40 + i, 40), 50, None).await);
+        }
+        let mut gone = Vec::new();
+        for i in 0..3 {
+            gone.push(submit(&h, &prompt(60 + i, 40), 50, None).await);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(m.gauges.waiting.load(Relaxed), 3);
+        drop(gone);
+        for mut rx in busy {
+            while !matches!(rx.recv().await, Some(Event::Done(_)) | None) {}
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(m.gauges.running.load(Relaxed), 0);
+        assert_eq!(m.gauges.waiting.load(Relaxed), 0);
     }
 
     #[tokio::test(start_paused = true)]
