@@ -277,6 +277,10 @@ impl Engine {
     /// Decides this step's work: decodes first (they hold KV already), then
     /// continues partial prefills, then admits new requests in FCFS order.
     fn schedule(&mut self) -> Plan {
+        // As vLLM aborts a request whose client left, wherever it waits:
+        // dropped only at the head of the queue, it counted as waiting
+        // (and a router shunned the replica) until it got there.
+        self.waiting.retain(|s| !s.sub.events.is_closed());
         let mut plan = Plan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
         for s in &mut self.running {
@@ -311,13 +315,6 @@ impl Engine {
     /// request behind it, base-model ones too), while one short of KV
     /// blocks stops admission (head of line).
     fn admit_next(&mut self, plan: &mut Plan) -> Option<Seq> {
-        while self
-            .waiting
-            .front()
-            .is_some_and(|s| s.sub.events.is_closed())
-        {
-            self.waiting.pop_front();
-        }
         let at = (self.waiting.iter()).position(|s| self.lora_fits(s.sub.lora))?;
         let head = self.waiting.get(at)?;
         let lora = head.sub.lora;
@@ -714,6 +711,34 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(m.gauges.running.load(Relaxed), 0);
         assert_eq!(m.gauges.waiting.load(Relaxed), 0);
+    }
+
+    /// A client that leaves from behind the head of the queue leaves the
+    /// waiting gauge at the next step, not when its turn comes.
+    #[tokio::test(start_paused = true)]
+    async fn requests_abandoned_behind_the_head_leave_the_waiting_gauge_at_once() {
+        let cfg = Preset::Fast.config();
+        let (h, m) = start(cfg.clone());
+        let mut busy = Vec::new();
+        for i in 0..cfg.max_num_seqs as u32 {
+            busy.push(submit(&h, &prompt(40 + i, 40), 500, None).await);
+        }
+        let head = submit(&h, &prompt(59, 40), 50, None).await;
+        let mut gone = Vec::new();
+        for i in 0..3 {
+            gone.push(submit(&h, &prompt(60 + i, 40), 50, None).await);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(m.gauges.waiting.load(Relaxed), 4);
+        drop(gone);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(m.gauges.running.load(Relaxed), cfg.max_num_seqs as u64);
+        assert_eq!(
+            m.gauges.waiting.load(Relaxed),
+            1,
+            "only the head still waits"
+        );
+        drop((head, busy));
     }
 
     #[tokio::test(start_paused = true)]
