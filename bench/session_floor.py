@@ -8,8 +8,8 @@ gave every session a replica to itself.
 With a replica per session no turn waits behind another session's, so a
 later turn's TTFT is its own new tokens' prefill. On `--replicas` R
 (fewer) replicas at least R first turns pay the shared prompt cold; the
-floor counts the R slowest first turns as measured and the others as
-free, and every later turn as measured. Refuses a run in which a replica
+floor counts the R fastest first turns as measured (the least any R
+cold ones cost) and the others as free, and every later turn as measured. Refuses a run in which a replica
 served more than one session (its turns could have waited).
 """
 
@@ -36,7 +36,7 @@ def session_floor(doc: dict, time_scale: float, replicas: int) -> dict:
     if shared:
         raise ValueError(f"replicas served more than one session: {', '.join(shared)}")
     first, later = orchestrate.turns_ttft(doc, time_scale)
-    cold = sorted(first, reverse=True)[:replicas]
+    cold = sorted(first)[:replicas]
     floor = sorted(later + cold + [0.0] * (len(first) - len(cold)))
     later.sort()
     return {

@@ -218,6 +218,10 @@ def test_session_floor_counts_as_many_cold_first_turns_as_replicas():
     assert out["p95_floor_ms"] == 436.0
     # On 8 replicas all eight first turns are cold and the 84th is one.
     assert session_floor.session_floor({"records": recs}, 0.25, 8)["p95_floor_ms"] == 6400.0
+    # Cold first turns that differ: a floor charges the cheapest, not the
+    # slowest measured (a first turn of 1,000 real ms, not 3,000).
+    two = [rec("a", 0, 3000.0, "r0"), rec("b", 1, 1000.0, "r1")]
+    assert session_floor.session_floor({"records": two}, 0.25, 1)["p95_floor_ms"] == 4000.0
     # A replica that served two sessions: refused, its turns could have waited.
     recs.append(rec("s1", 99, 100.0, "r0"))
     with pytest.raises(ValueError, match="r0"):
