@@ -287,8 +287,11 @@ impl Sse {
 
     /// A piece of the body, received at `now`; events may span pieces.
     fn feed(&mut self, data: &[u8], now: Instant, out: &mut Outcome) {
-        self.buf.extend_from_slice(data);
-        // Events end with a blank line.
+        // Events end with a blank line, and SSE lines may end in CRLF (a
+        // proxy or server that writes them would otherwise never end an
+        // event, and every request read as cut short). A CR never occurs
+        // raw inside a JSON payload.
+        self.buf.extend(data.iter().filter(|&&b| b != b'\r'));
         while let Some(end) = find(&self.buf, b"\n\n") {
             let event: Vec<u8> = self.buf.drain(..end + 2).collect();
             for line in event.split(|&b| b == b'\n') {
@@ -460,6 +463,26 @@ mod tests {
         assert_eq!(
             (out.prompt_tokens, out.cached_tokens),
             (Some(900), Some(640))
+        );
+        assert!(sse.done);
+    }
+
+    #[test]
+    fn events_with_crlf_line_ends_are_read() {
+        let t0 = Instant::now();
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\r\n\r",
+            t0 + Duration::from_millis(30),
+            &mut out,
+        );
+        sse.feed(b"\ndata: [DONE]\r\n\r\n", t0, &mut out);
+        assert_eq!(out.text, "Hi");
+        assert_eq!(
+            out.ttft_ms,
+            Some(0.0),
+            "the event completed with its last byte"
         );
         assert!(sse.done);
     }
