@@ -489,7 +489,11 @@ pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_
         Some((0, _)) => Lease::Held,
         _ => Lease::TookOver,
     };
-    match store.set(LEASE_KEY, &lease_record(owner, now_ms + ttl_ms), Some(cas)) {
+    match store.set(
+        LEASE_KEY,
+        &lease_record(owner, now_ms.saturating_add(ttl_ms)),
+        Some(cas),
+    ) {
         Ok(()) => outcome,
         Err(_) => Lease::Other,
     }
