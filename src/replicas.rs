@@ -14,13 +14,15 @@ use crate::store::{self, get_existing, shared_key, Reader, Store, StoreError, Wr
 const TABLE_KEY: &str = shared_key!("replicas");
 const LEASE_KEY: &str = shared_key!("scrape-lease");
 const BLIND_KEY: &str = shared_key!("scrape-blind");
+const CONFIG_KEY: &str = shared_key!("scrape-config");
 /// 2: each row framed by its own length, so one unreadable row costs only
 /// itself; 3: the common record envelope (`store::Writer`); 4: the prefix
 /// cache's measured hit rate. Tables of another version read as absent and
 /// are rewritten.
 pub(crate) const VERSION: u8 = 4;
 /// The scraper lease's (unversioned before: two bare u64s).
-pub(crate) const LEASE_VERSION: u8 = 1;
+/// 2: the holder's configuration generation.
+pub(crate) const LEASE_VERSION: u8 = 2;
 /// Bounds on what a record may carry (and a decoder will accept).
 pub const MAX_ROWS: usize = 4096;
 /// Largest queue/running count a row holds. Far above any real replica,
@@ -374,10 +376,10 @@ pub fn check_codec(buf: &[u8]) {
         assert_eq!(Table::decode(&t.encode()), t);
     }
     for record in [buf, &store::seal(LEASE_VERSION, buf)] {
-        if let Some((owner, expiry)) = decode_lease(record) {
+        if let Some((owner, expiry, generation)) = decode_lease(record) {
             assert_eq!(
-                decode_lease(&lease_record(owner, expiry)),
-                Some((owner, expiry))
+                decode_lease(&lease_record(owner, expiry, generation)),
+                Some((owner, expiry, generation))
             );
         }
     }
@@ -414,8 +416,9 @@ pub fn record_scrape<S: Store + ?Sized>(
     t.publish(store)
 }
 
-/// The scraper lease: (owner, expiry). A VM scrapes only while it holds it;
-/// if the holder stops renewing (VM gone), another takes over at expiry.
+/// The scraper lease: (owner, expiry, generation). A VM scrapes only while
+/// it holds it; if the holder stops renewing (VM gone), another takes over
+/// at expiry, and a newer configuration's VM at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lease {
     /// We hold it (renewed now).
@@ -426,15 +429,56 @@ pub enum Lease {
     Other,
 }
 
-fn lease_record(owner: u64, expiry_ms: u64) -> Vec<u8> {
-    let mut w = Writer::new(LEASE_VERSION, 16);
-    w.u64(owner).u64(expiry_ms);
+fn lease_record(owner: u64, expiry_ms: u64, generation: u64) -> Vec<u8> {
+    let mut w = Writer::new(LEASE_VERSION, 24);
+    w.u64(owner).u64(expiry_ms).u64(generation);
     w.finish()
 }
 
-/// (owner, expiry); `None` if unreadable, which a contender takes over.
-fn decode_lease(buf: &[u8]) -> Option<(u64, u64)> {
+/// (owner, expiry, the owner's `config_generation`); `None` if
+/// unreadable, which a contender takes over.
+fn decode_lease(buf: &[u8]) -> Option<(u64, u64, u64)> {
+    store::decode(LEASE_VERSION, buf, |r| Some((r.u64()?, r.u64()?, r.u64()?)))
+}
+
+/// (configuration hash, its generation): versioned with the lease.
+fn config_record(hash: u64, generation: u64) -> Vec<u8> {
+    let mut w = Writer::new(LEASE_VERSION, 16);
+    w.u64(hash).u64(generation);
+    w.finish()
+}
+
+fn decode_config(buf: &[u8]) -> Option<(u64, u64)> {
     store::decode(LEASE_VERSION, buf, |r| Some((r.u64()?, r.u64()?)))
+}
+
+/// The generation of the scraping configuration whose hash is `hash`, in
+/// this scope: one for every root context of one configuration (each
+/// worker's VM), and above every earlier one's for a configuration pushed
+/// since. Envoy runs a pushed configuration (LDS, ECDS) beside the old one
+/// until the old listener has drained (`--drain-time-s`, 600 s by
+/// default), old root contexts ticking; the lease goes to the newest
+/// generation, so the pushed settings scrape the pool at once, not after
+/// the drain. 0 when the record can't be written: that scraper never
+/// pre-empts, and takes the lease only when it lapses.
+pub fn config_generation<S: Store + ?Sized>(store: &S, hash: u64) -> u64 {
+    for _ in 0..8 {
+        let Some((value, cas)) = get_existing(store, CONFIG_KEY, &config_record(0, 0)) else {
+            continue;
+        };
+        let next = match value.as_deref().and_then(decode_config) {
+            Some((h, g)) if h == hash => return g,
+            Some((_, g)) => g.saturating_add(1),
+            None => 1,
+        };
+        if store
+            .set(CONFIG_KEY, &config_record(hash, next), Some(cas))
+            .is_ok()
+        {
+            return next;
+        }
+    }
+    0
 }
 
 /// Whether `owner` still holds the lease (expired or not: nobody took it
@@ -448,7 +492,7 @@ pub fn holds_lease<S: Store + ?Sized>(store: &S, owner: u64) -> bool {
         .0
         .as_deref()
         .and_then(decode_lease)
-        .is_some_and(|(o, _)| o == owner)
+        .is_some_and(|(o, _, _)| o == owner)
 }
 
 /// When the scraper's next round is due, given this tick's time and the
@@ -474,26 +518,34 @@ pub fn next_round(now_ms: u64, due_ms: u64, interval_ms: u64, slack_ms: u64) -> 
 }
 
 /// `owner` must not be 0: owner 0 is the free lease a first contact writes.
-pub fn acquire_lease<S: Store + ?Sized>(store: &S, owner: u64, now_ms: u64, ttl_ms: u64) -> Lease {
-    let Some((value, cas)) = get_existing(store, LEASE_KEY, &lease_record(0, 0)) else {
+/// `generation`: the owner's `config_generation`; a live lease of an older
+/// one is taken over.
+pub fn acquire_lease<S: Store + ?Sized>(
+    store: &S,
+    owner: u64,
+    generation: u64,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Lease {
+    let Some((value, cas)) = get_existing(store, LEASE_KEY, &lease_record(0, 0, 0)) else {
         return Lease::Other;
     };
     let current = value.as_deref().and_then(decode_lease);
     let outcome = match current {
-        Some((o, _)) if o == owner => Lease::Held,
+        Some((o, _, _)) if o == owner => Lease::Held,
+        Some((0, _, _)) => Lease::Held,
+        // Its holder runs a configuration that was since replaced, and
+        // lives on only until its listener has drained.
+        Some((_, _, g)) if g < generation => Lease::TookOver,
         // A lease that runs out further ahead than one term was written
         // before the wall clock stepped back: its holder may be long dead.
-        Some((_, expiry)) if now_ms < expiry && expiry <= now_ms.saturating_add(ttl_ms) => {
+        Some((_, expiry, _)) if now_ms < expiry && expiry <= now_ms.saturating_add(ttl_ms) => {
             return Lease::Other
         }
-        Some((0, _)) => Lease::Held,
         _ => Lease::TookOver,
     };
-    match store.set(
-        LEASE_KEY,
-        &lease_record(owner, now_ms.saturating_add(ttl_ms)),
-        Some(cas),
-    ) {
+    let record = lease_record(owner, now_ms.saturating_add(ttl_ms), generation);
+    match store.set(LEASE_KEY, &record, Some(cas)) {
         Ok(()) => outcome,
         Err(_) => Lease::Other,
     }
@@ -744,15 +796,15 @@ mod tests {
     fn lease_one_holder_and_takeover_after_expiry() {
         let s = MemStore::new();
         // First contact creates the free lease; claims are CAS from there.
-        assert_eq!(acquire_lease(&s, 1, 0, 300), Lease::Other);
-        assert_eq!(acquire_lease(&s, 1, 0, 300), Lease::Held);
-        assert_eq!(acquire_lease(&s, 2, 100, 300), Lease::Other);
-        assert_eq!(acquire_lease(&s, 1, 200, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 1, 0, 0, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, 0, 0, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 2, 0, 100, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, 0, 200, 300), Lease::Held);
         // Holder 1 stops renewing at 200: expiry 500.
-        assert_eq!(acquire_lease(&s, 2, 499, 300), Lease::Other);
-        assert_eq!(acquire_lease(&s, 2, 500, 300), Lease::TookOver);
-        assert_eq!(acquire_lease(&s, 1, 510, 300), Lease::Other);
-        assert_eq!(acquire_lease(&s, 2, 600, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 2, 0, 499, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 2, 0, 500, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 1, 0, 510, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 2, 0, 600, 300), Lease::Held);
         // The old holder learns it lost the lease before writing.
         assert!(!holds_lease(&s, 1));
         assert!(holds_lease(&s, 2));
@@ -761,8 +813,35 @@ mod tests {
         let mut old = 2u64.to_le_bytes().to_vec();
         old.extend_from_slice(&10_000u64.to_le_bytes());
         s.set(LEASE_KEY, &old, None).unwrap();
-        assert_eq!(acquire_lease(&s, 1, 700, 300), Lease::TookOver);
-        assert_eq!(acquire_lease(&s, 2, 710, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, 0, 700, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 2, 0, 710, 300), Lease::Other);
+    }
+
+    /// Envoy runs a pushed configuration beside the old one until the old
+    /// listener has drained (600 s by default), old root contexts ticking
+    /// and renewing their lease: the pushed settings (a fixed
+    /// `metrics_path`) scraped nothing until then. A newer generation takes
+    /// a live lease at once; roots of one configuration share theirs, so
+    /// they never take it from each other.
+    #[test]
+    fn a_pushed_configuration_takes_the_lease_from_a_live_older_one() {
+        let s = MemStore::new();
+        let old = config_generation(&s, 0xa);
+        assert_eq!(config_generation(&s, 0xa), old, "another worker's root");
+        let new = config_generation(&s, 0xb);
+        assert!(new > old);
+        assert_eq!(config_generation(&s, 0xb), new);
+        assert_eq!(acquire_lease(&s, 1, old, 0, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, old, 0, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 2, old, 100, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, old, 100, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 3, new, 150, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 1, old, 200, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 4, new, 210, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 3, new, 250, 300), Lease::Held);
+        assert!(!holds_lease(&s, 1));
+        // Rolled back: a configuration seen before is pushed anew.
+        assert!(config_generation(&s, 0xa) > new);
     }
 
     /// The wall clock steps back an hour after the holder died: the lease
@@ -772,12 +851,12 @@ mod tests {
     fn a_lease_from_before_a_clock_step_back_is_taken_over() {
         let s = MemStore::new();
         let t0 = 10_000_000;
-        assert_eq!(acquire_lease(&s, 1, t0, 300), Lease::Other);
-        assert_eq!(acquire_lease(&s, 1, t0, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 1, 0, t0, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 1, 0, t0, 300), Lease::Held);
         let back = t0 - 3_600_000;
-        assert_eq!(acquire_lease(&s, 2, back, 300), Lease::TookOver);
-        assert_eq!(acquire_lease(&s, 2, back + 100, 300), Lease::Held);
-        assert_eq!(acquire_lease(&s, 1, back + 150, 300), Lease::Other);
+        assert_eq!(acquire_lease(&s, 2, 0, back, 300), Lease::TookOver);
+        assert_eq!(acquire_lease(&s, 2, 0, back + 100, 300), Lease::Held);
+        assert_eq!(acquire_lease(&s, 1, 0, back + 150, 300), Lease::Other);
     }
 
     #[test]
@@ -787,7 +866,7 @@ mod tests {
         s.set(LEASE_KEY, b"garbage", None).unwrap();
         assert!(!holds_lease(&s, 1));
         // The free lease a first contact writes belongs to nobody we know.
-        s.set(LEASE_KEY, &lease_record(0, 0), None).unwrap();
+        s.set(LEASE_KEY, &lease_record(0, 0, 0), None).unwrap();
         assert!(!holds_lease(&s, 1));
     }
 
@@ -871,20 +950,20 @@ mod tests {
                 // B runs its first and second contact while A sits between
                 // its read (absent) and its write.
                 for _ in 0..2 {
-                    if acquire_lease(&s, 2, 10, 300) != Lease::Other {
+                    if acquire_lease(&s, 2, 0, 10, 300) != Lease::Other {
                         held.borrow_mut().insert(2);
                     }
                 }
             })),
         };
-        if acquire_lease(&racing, 1, 10, 300) != Lease::Other {
+        if acquire_lease(&racing, 1, 0, 10, 300) != Lease::Other {
             held.borrow_mut().insert(1);
         }
         assert!(held.borrow().len() <= 1, "two holders: {:?}", held.borrow());
         // A's late create wiped B's claim; from here on exactly one holds.
         let holders: Vec<u64> = [1, 2]
             .into_iter()
-            .filter(|&o| acquire_lease(&s, o, 20, 300) != Lease::Other)
+            .filter(|&o| acquire_lease(&s, o, 0, 20, 300) != Lease::Other)
             .collect();
         assert_eq!(holders.len(), 1, "{holders:?}");
     }
@@ -896,7 +975,7 @@ mod tests {
             fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
                 let v = self.0.get(key);
                 // The rival writes between our read and our write.
-                self.0.set(key, &lease_record(7, 1000), None).unwrap();
+                self.0.set(key, &lease_record(7, 1000, 0), None).unwrap();
                 v
             }
             fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
@@ -904,9 +983,12 @@ mod tests {
             }
         }
         let s = MemStore::new();
-        s.set(LEASE_KEY, &lease_record(0, 0), None).unwrap();
-        assert_eq!(acquire_lease(&Racy(&s), 1, 10, 300), Lease::Other);
-        assert_eq!(decode_lease(&s.get(LEASE_KEY).0.unwrap()), Some((7, 1000)));
+        s.set(LEASE_KEY, &lease_record(0, 0, 0), None).unwrap();
+        assert_eq!(acquire_lease(&Racy(&s), 1, 0, 10, 300), Lease::Other);
+        assert_eq!(
+            decode_lease(&s.get(LEASE_KEY).0.unwrap()),
+            Some((7, 1000, 0))
+        );
     }
 
     #[test]

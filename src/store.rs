@@ -131,7 +131,7 @@ impl<S: Store + ?Sized> Store for Scoped<'_, S> {
 /// version changes and this doesn't.
 macro_rules! shared_key {
     ($name:literal) => {
-        concat!("prefix-router/i3l6c1r4s1d1/", $name)
+        concat!("prefix-router/i3l6c1r4s2d1/", $name)
     };
 }
 pub(crate) use shared_key;

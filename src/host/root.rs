@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::abi;
 use super::envoy::Envoy;
@@ -14,6 +15,7 @@ use super::shared::SharedData;
 use crate::config::Config;
 use crate::filter::Worker;
 use crate::load;
+use crate::replicas;
 use crate::store::Scoped;
 
 pub struct Root {
@@ -92,7 +94,12 @@ impl RootContext for Root {
             tick = tick.min(d.interval_ms);
         }
         if router.config.scrape.is_some() || router.config.discovery.is_some() {
-            self.scraper = Some(Scraper::new(owner, tick, Rc::clone(&scope)));
+            // A pushed configuration runs beside the old one until the old
+            // listener has drained: the newer one's scraper takes the lease
+            // (see `replicas::config_generation`).
+            let shared = Scoped::new(&SharedData, &scope);
+            let generation = replicas::config_generation(&shared, xxh3_64(&bytes));
+            self.scraper = Some(Scraper::new(owner, generation, tick, Rc::clone(&scope)));
         }
         let tick = u32::try_from(tick).unwrap_or(u32::MAX);
         if let Err(status) = abi::set_tick_period_ms(tick) {

@@ -35,6 +35,8 @@ enum Call {
 
 pub struct Scraper {
     owner: u64,
+    /// This configuration's `replicas::config_generation`.
+    generation: u64,
     scope: Rc<str>,
     next_ms: u64,
     /// Half the timer's period: a tick that early still runs its round.
@@ -62,11 +64,13 @@ pub struct Scraper {
 }
 
 impl Scraper {
+    /// `generation`: the configuration's (`replicas::config_generation`);
     /// `tick_ms`: the VM's timer period; `scope`: the pool's shared-data
     /// scope (`Config::scope`).
-    pub fn new(owner: u64, tick_ms: u64, scope: Rc<str>) -> Scraper {
+    pub fn new(owner: u64, generation: u64, tick_ms: u64, scope: Rc<str>) -> Scraper {
         Scraper {
             owner,
+            generation,
             scope,
             next_ms: 0,
             slack_ms: tick_ms / 2,
@@ -137,7 +141,8 @@ impl Scraper {
     /// two missed renewals, so a new scraper takes over within three
     /// intervals of the old one stopping.
     fn hold_lease(&mut self, now_ms: u64, interval: u64) -> bool {
-        match replicas::acquire_lease(&self.shared(), self.owner, now_ms, 2 * interval) {
+        let (owner, generation) = (self.owner, self.generation);
+        match replicas::acquire_lease(&self.shared(), owner, generation, now_ms, 2 * interval) {
             Lease::Other => {
                 // Someone else writes the table now: ours goes stale.
                 self.table_loaded = false;

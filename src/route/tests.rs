@@ -864,8 +864,8 @@ fn every_shared_data_key_is_in_this_builds_key_space() {
     let r = router(r#","cluster":"pool""#);
     let (s, mut board) = (MemStore::new(), LoadBoard::new(1, 10_000));
     let ids: Vec<u64> = r.config.static_endpoints.iter().map(|e| e.id()).collect();
-    acquire_lease(&s, 1, 1000, 500);
-    acquire_lease(&s, 1, 1000, 500);
+    acquire_lease(&s, 1, 0, 1000, 500);
+    acquire_lease(&s, 1, 0, 1000, 500);
     record_scrape(&s, ids[0], Ok(&ReplicaMetrics::default()), &ids, 1000).unwrap();
     discovery::publish(&s, &r.config.static_endpoints);
     for q in 0..4 {
