@@ -9,7 +9,9 @@ pub struct SharedData;
 impl Store for SharedData {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
         // A failed read looks like an absent key: every record is
-        // optional, and a CAS write on it then fails safely.
+        // optional. (A write after it is unconditional, as on any absent
+        // key; records claimed by CAS are only ever claimed from a read
+        // that returned a CAS, see `store::get_existing`.)
         abi::get_shared_data(key).unwrap_or((None, None))
     }
 
