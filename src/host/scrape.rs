@@ -429,7 +429,9 @@ impl Scraper {
     fn publish_eligible(&mut self, router: &Router, now_ms: u64) {
         let n = router.eligible_count(&self.shared(), now_ms);
         self.stats.eligible.record(&Envoy, n as u64);
-        let blind = n == 0 && !router.endpoints().is_empty();
+        let blind = n == 0
+            && !router.endpoints().is_empty()
+            && !router.awaiting_first_scrapes(&self.shared());
         let news = replicas::blind_news(&self.shared(), blind);
         if news == Some(true) {
             let path = router

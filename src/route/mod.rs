@@ -325,6 +325,21 @@ impl Router {
             .count()
     }
 
+    /// Every replica is one known only from discovery that no scrape has
+    /// answered yet (each start with `discovery`, for a scrape round):
+    /// none is eligible, but nothing failed, so it is no news for the
+    /// operator (the scraper's "no replica passed its metrics scrapes"
+    /// warning, with no failure to name, came at every start).
+    pub fn awaiting_first_scrapes<S: Store + ?Sized>(&self, store: &S) -> bool {
+        let table = Table::load(store);
+        self.config.scrape.is_some()
+            && self
+                .endpoints
+                .iter()
+                .zip(&self.discovered_only)
+                .all(|(ep, &only)| only && table.row(ep.id()).is_none())
+    }
+
     /// Eligible to receive traffic: healthy per the replica table; a
     /// replica known only from discovery also needs one good scrape first
     /// (when scraping is on), so a new pod isn't sent traffic blind.

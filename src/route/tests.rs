@@ -632,6 +632,30 @@ fn discovered_replicas_join_after_their_first_scrape_and_leave_when_gone() {
 }
 
 #[test]
+fn discovered_replicas_awaiting_their_first_scrape_are_no_scrape_failure() {
+    use crate::replicas::record_scrape;
+    let json = r#"{"cluster":"pool","discovery":{"cluster":"pool","admin_cluster":"admin"}}"#;
+    let mut r = Router::new(Config::parse(json.as_bytes()).unwrap());
+    let s = MemStore::new();
+    let found: Vec<Endpoint> = ["10.0.0.8:80", "10.0.0.9:80"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    discovery::publish(&s, &found);
+    r.refresh(&s);
+    // The start: none eligible yet, none failed.
+    assert_eq!(r.eligible_count(&s, 1000), 0);
+    assert!(r.awaiting_first_scrapes(&s));
+    // One failed scrape: that is news.
+    let ids: Vec<u64> = found.iter().map(Endpoint::id).collect();
+    record_scrape(&s, ids[0], Err(()), &ids, 1000).unwrap();
+    assert!(!r.awaiting_first_scrapes(&s));
+    // A static replica never waits for a scrape.
+    let r = router(r#","cluster":"pool""#);
+    assert!(!r.awaiting_first_scrapes(&MemStore::new()));
+}
+
+#[test]
 fn sheddable_values() {
     for yes in ["sheddable", " Sheddable ", "low", "BATCH", "-1", "-100"] {
         assert!(is_sheddable(yes), "{yes}");
