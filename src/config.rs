@@ -562,6 +562,25 @@ impl Config {
         self.affinity.as_ref().filter(|a| a.response_ids)
     }
 
+    /// The start-up line that tells the operator the plugin loaded, and
+    /// with which pool. With `discovery` it names the cluster followed:
+    /// "configured with 0 replicas" read as a pool left empty.
+    pub fn started(&self) -> String {
+        let pool = match &self.discovery {
+            Some(d) => format!(
+                "{} static replicas and the hosts of cluster `{}` (discovered through `{}`)",
+                self.static_endpoints.len(),
+                d.cluster,
+                d.admin_cluster
+            ),
+            None => format!("{} replicas", self.static_endpoints.len()),
+        };
+        format!(
+            "prefix-router: configured with {pool}, header `{}`",
+            self.destination_header
+        )
+    }
+
     /// Settings that are valid but work against each other, for the
     /// operator to read once when the plugin starts.
     pub fn advice(&self) -> Vec<String> {
@@ -741,6 +760,23 @@ mod tests {
 
     fn err(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_start_up_line_names_a_discovered_pool() {
+        let fixed = Config::parse(br#"{"endpoints":["10.0.0.1:80","10.0.0.2:80"]}"#).unwrap();
+        assert_eq!(
+            fixed.started(),
+            "prefix-router: configured with 2 replicas, header `x-gateway-destination-endpoint`"
+        );
+        let found =
+            Config::parse(br#"{"discovery":{"cluster":"pool","admin_cluster":"envoy_admin"}}"#)
+                .unwrap();
+        assert_eq!(
+            found.started(),
+            "prefix-router: configured with 0 static replicas and the hosts of cluster `pool` \
+             (discovered through `envoy_admin`), header `x-gateway-destination-endpoint`"
+        );
     }
 
     #[test]

@@ -108,11 +108,7 @@ impl RootContext for Root {
             log::error!("prefix-router: could not set a {tick} ms timer: status {status}");
             return false;
         }
-        log::info!(
-            "prefix-router: configured with {} replicas, header `{}`",
-            router.config.static_endpoints.len(),
-            router.config.destination_header
-        );
+        log::info!("{}", router.config.started());
         for note in router.config.advice() {
             log::warn!("prefix-router: {note}");
         }
