@@ -866,6 +866,41 @@ fn a_replica_that_leaves_the_pool_shows_nothing_in_flight_and_is_forgotten() {
 }
 
 #[test]
+fn the_expected_hit_rate_gauge_reads_0_once_it_is_no_longer_measured() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let eps = w.borrow().router.endpoints().to_vec();
+    let gauge = format!("replica.{}.cache_expected_percent", eps[0].stat_label());
+    let mut wk = w.borrow_mut();
+    let sent = HashMap::from([(
+        eps[0].id(),
+        load::Load {
+            sent: 4000,
+            placed: 1000,
+            ..load::Load::default()
+        },
+    )]);
+    wk.stats.show_load(&fake, &eps, &sent);
+    assert_eq!(fake.stat(&gauge), 75);
+    // The traffic stopped and the counts decayed under what backs a rate
+    // (or the slots expired): 0, as documented, not the last rate, which
+    // stayed on the dashboards as if measured.
+    let decayed = HashMap::from([(
+        eps[0].id(),
+        load::Load {
+            sent: 400,
+            placed: 100,
+            ..load::Load::default()
+        },
+    )]);
+    wk.stats.show_load(&fake, &eps, &decayed);
+    assert_eq!(fake.stat(&gauge), 0);
+    wk.stats.show_load(&fake, &eps, &sent);
+    wk.stats.show_load(&fake, &eps, &HashMap::new());
+    assert_eq!(fake.stat(&gauge), 0);
+}
+
+#[test]
 fn a_request_served_elsewhere_moves_its_load_and_its_token_there() {
     let fake = Fake::new();
     let extra = format!(r#","affinity":{{"key":"{AFFINITY_KEY}"}}"#);

@@ -412,13 +412,19 @@ impl Scraper {
             g.running.record(&Envoy, row.running as u64);
             g.kv_percent
                 .record(&Envoy, (row.kv_usage * 100.0).round() as u64);
-            if let Some(rate) = row.cache.hit_rate() {
-                g.hit_percent.record(&Envoy, (rate * 100.0).round() as u64);
-            }
-            if let Some(share) = shares.as_ref().and_then(|s| s.get(i)) {
-                g.traffic_share
-                    .record(&Envoy, (share * 100.0).round() as u64);
-            }
+            // Not measured (too few lookups lately, counters gone from
+            // the page): 0, as documented, not the last value, which
+            // stayed on the dashboards as if measured.
+            let hit = row
+                .cache
+                .hit_rate()
+                .map_or(0, |r| (r * 100.0).round() as u64);
+            g.hit_percent.record(&Envoy, hit);
+            let share = shares
+                .as_ref()
+                .and_then(|s| s.get(i))
+                .map_or(0, |s| (s * 100.0).round() as u64);
+            g.traffic_share.record(&Envoy, share);
         }
     }
 
