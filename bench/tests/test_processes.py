@@ -114,11 +114,18 @@ def test_envoy_matrix_kills_its_pytest_run_when_interrupted(tmp_path, monkeypatc
             threading.Event().wait(0.05)
         _thread.interrupt_main()
 
+    # A shell ignores SIGINT for the jobs it starts in the background (CI
+    # does so), and then Python leaves it ignored and interrupt_main does
+    # nothing: the test sets the handler a terminal's Ctrl-C would meet.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Thread(target=interrupt_once_started, daemon=True)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        envoy_matrix.run_version("1.40", "1.40.0", fake_envoy, timeout=60)
-    timer.join(timeout=10)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            envoy_matrix.run_version("1.40", "1.40.0", fake_envoy, timeout=60)
+        timer.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = int(pidfile.read_text())
     try:
         assert process_gone(pid), "the interrupted run's pytest is still running"
