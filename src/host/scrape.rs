@@ -225,7 +225,7 @@ impl Scraper {
             self.busy.insert(ep.id(), now_ms);
         } else {
             self.last_failure = Some(format!(
-                "{ep}: Envoy refused the call to `{}`",
+                "{ep}: Envoy refused the call to `{}` (is it a cluster?)",
                 scrape.cluster
             ));
             self.record(ep, Err(()), now_ms);
