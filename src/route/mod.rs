@@ -439,6 +439,7 @@ impl Router {
                 true => depth.trunk.max(hashed.lead_blocks.min(blocks)),
                 false => depth.trunk,
             },
+            lead: hashed.lead_floor(),
             // No prompt, no key: ties would go to the same replica on
             // every worker and instance (1,000 GETs in a row, all to one of
             // eight). The clock spreads them instead; and a stored session's

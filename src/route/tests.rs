@@ -1013,3 +1013,69 @@ fn requests_without_a_prompt_spread_when_loads_tie() {
         .collect();
     assert_eq!(picked.len(), r.endpoints().len());
 }
+
+/// Every replica's scraped row, in both stores: `waiting` on endpoint `busy`.
+fn scrape_both(r: &Router, stores: &[&MemStore], busy: usize, waiting: f64) {
+    use crate::metrics::ReplicaMetrics;
+    use crate::replicas::record_scrape;
+    let ids: Vec<u64> = r.endpoints().iter().map(|e| e.id()).collect();
+    for s in stores {
+        for (i, &id) in ids.iter().enumerate() {
+            let m = ReplicaMetrics {
+                waiting: if i == busy { waiting } else { 0.0 },
+                ..ReplicaMetrics::default()
+            };
+            record_scrape(*s, id, Ok(&m), &ids, 1000).unwrap();
+        }
+    }
+}
+
+#[test]
+fn instances_weigh_a_new_sessions_two_replicas_alike_whatever_they_saw_of_its_preamble() {
+    // Two instances, the same scraped queue on the first of conversation
+    // 7's two agreed replicas. `aware` has seen the shared system prompt
+    // fork, `fresh` has seen nothing: both key the conversation past the
+    // system prompt (`Hashed::lead_floor`), and both must also leave the
+    // first replica for the second at the same queue. The fresh one
+    // counted the system prompt as new content, so its margin (what a
+    // second copy would cost) was the whole prompt's, the aware one's
+    // only the conversation's own part: at queues in between they put
+    // the conversation on different replicas for good.
+    let extra = r#","cluster":"pool","gateways":3"#;
+    let aware = router(extra);
+    let fresh = router(extra);
+    let (s_aware, mut b_aware) = (MemStore::new(), LoadBoard::new(1, 10_000));
+    let s_fresh = MemStore::new();
+    scrape_both(&aware, &[&s_aware, &s_fresh], 0, 0.0);
+    for other in 100..104 {
+        run(&aware, &s_aware, &mut b_aware, &chat(other, 1));
+    }
+    let order = agreed_order(&fresh, 7);
+    let mut moved = None;
+    for waiting in 0..40 {
+        scrape_both(&aware, &[&s_aware, &s_fresh], order[0], f64::from(waiting));
+        let a = aware
+            .decide(
+                &s_aware,
+                &hashed(&aware, &chat(7, 1)),
+                Meta::default(),
+                1000,
+            )
+            .unwrap();
+        let f = fresh
+            .decide(
+                &s_fresh,
+                &hashed(&fresh, &chat(7, 1)),
+                Meta::default(),
+                1000,
+            )
+            .unwrap();
+        assert_eq!(a.order[0], f.order[0], "{waiting} waiting on the first");
+        assert!(order[..2].contains(&a.order[0]));
+        if a.order[0] == order[1] {
+            moved.get_or_insert(waiting);
+        }
+    }
+    // A queue deep enough moves it, on both.
+    assert!(moved.is_some());
+}

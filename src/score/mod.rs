@@ -218,6 +218,12 @@ pub fn rank(cands: &[Candidate], blocks: u32, placement: u64, p: &ScoreParams) -
 pub struct Ask {
     pub blocks: u32,
     pub trunk: u32,
+    /// The blocks above the request's own part that every gateway
+    /// instance keys it past, whatever it has seen of them
+    /// (`route::Hashed::lead_floor`; 0 without a preamble): with
+    /// instances that must agree, its new content counts from there at
+    /// most (see `rank_below`).
+    pub lead: u32,
     pub placement: u64,
     /// A conversation's or agent session's later turn: a spill moves the
     /// whole session (the new replica holds its history deepest from now
@@ -306,8 +312,12 @@ pub fn rank_below(cands: &[Candidate], ask: &Ask, p: &ScoreParams) -> Ranked {
     // 1.45 against 1.09.
     if p.agree() && !ask.session_start && matches!(reason, Reason::NewPrefix | Reason::NewBranch) {
         // Leaving the agreed replica costs another instance's copy of the
-        // new content: worth it only for a bigger load difference.
-        let new_blocks = f64::from(blocks.saturating_sub(trunk.min(blocks)));
+        // new content: worth it only for a bigger load difference. Its
+        // preamble is no new content on any instance: one that had never
+        // seen the preamble fork counted it in, one that had did not, and
+        // with a queue on the first replica between the two margins they
+        // put the same new session on different replicas for good.
+        let new_blocks = f64::from(blocks.saturating_sub(trunk.max(ask.lead).min(blocks)));
         let margin = band.max(p.weights.prefix * new_blocks);
         let by_hash = rendezvous_order(cands, placement);
         let open = open_to_new(cands, &keeps);

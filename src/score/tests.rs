@@ -794,6 +794,7 @@ fn the_ranking_is_the_same_whatever_the_order_of_the_candidates() {
         let ask = Ask {
             blocks,
             trunk,
+            lead: rnd(u64::from(blocks) + 1) as u32,
             placement: rnd(1 << 40),
             later_turn: rnd(2) == 0,
             session_start: rnd(5) == 0,
