@@ -51,7 +51,7 @@ from testkit import harness  # noqa: E402
 
 TOOL = ROOT / "target" / "release" / "overhead"
 # What any body-routing wasm filter pays (examples/body_floor.rs).
-FLOOR = ROOT / "target" / "wasm32-wasip1" / "release" / "examples" / "body_floor.wasm"
+FLOOR = ROOT / "target" / "body-floor" / "wasm32-wasip1" / "release" / "examples" / "body_floor.wasm"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
