@@ -927,7 +927,11 @@ def main(argv: list[str] | None = None) -> int:
     (outdir / "runs").mkdir(parents=True, exist_ok=True)
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv,
                "envoy_concurrency": a.envoy_concurrency, "envoy_instances": a.envoy_instances,
-               "wasm": module_info(WASM_PATH[0]), "peers": peer_info(), "workloads": {}}
+               "wasm": module_info(WASM_PATH[0]), "peers": peer_info(),
+               # The request stream every router gets, and what --plugin /
+               # --affinity added to prefix-router's configuration: the
+               # report names both.
+               "seed": a.seed, "plugin_extra": dict(PLUGIN_EXTRA), "workloads": {}}
     t_start = time.time()
     for w in workloads:
         prof = profiles(a)[w]

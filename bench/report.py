@@ -7,6 +7,7 @@ Plots need matplotlib; without it they are skipped with a message.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -106,6 +107,24 @@ def _change(c: dict) -> str:
             f"{side}), {c['moved_otherwise']} others")
 
 
+def _command(results: dict) -> str | None:
+    """The command line the run was made with: the seed (the request stream
+    every router is given), prefix-router's --plugin keys and the peers'
+    arguments decide the numbers, and none of them is in a table. Older
+    results.json files hold only `argv`; their seed is in it or the
+    default."""
+    argv = results.get("argv")
+    if argv is None:
+        return None
+    line = f"Command: `{shlex.join(['scripts/bench', *argv])}`"
+    extra = []
+    if results.get("seed") is not None:
+        extra.append(f"load generator seed {results['seed']}")
+    if results.get("plugin_extra"):
+        extra.append(f"prefix-router plugin keys added: `{json.dumps(results['plugin_extra'], sort_keys=True)}`")
+    return line + (f" ({'; '.join(extra)})" if extra else "") + "."
+
+
 def render(results: dict) -> str:
     out = ["# prefix-router benchmark", ""]
     out.append(
@@ -131,6 +150,11 @@ def render(results: dict) -> str:
     if results.get("commands"):
         out.append("Merged from: " + "; ".join(f"`{c}`" for c in results["commands"]) + ".")
         out.append("")
+    else:
+        run_line = _command(results)
+        if run_line:
+            out.append(run_line)
+            out.append("")
     for w, data in results.get("workloads", {}).items():
         setup = data.get("setup", {})
         out.append(f"## {WORKLOAD_TITLES.get(w, w)}")
@@ -138,7 +162,9 @@ def render(results: dict) -> str:
         mml = f", max model length {setup['max_model_len']}" if setup.get("max_model_len") else ""
         out.append(
             f"{setup.get('replicas')} replicas, preset `{setup.get('preset')}`, time scale "
-            f"{setup.get('time_scale')}, KV cache {setup.get('kv_tokens') or 'preset default'} tokens per replica{mml}; "
+            f"{setup.get('time_scale')}, KV cache {setup.get('kv_tokens') or 'preset default'} tokens per replica"
+            + (f" (shares by replica {setup['kv_fractions']})" if setup.get("kv_fractions") else "")
+            + f"{mml}; "
             f"load: `{' '.join(data.get('load_args', []))}`"
         )
         out.append("")

@@ -127,3 +127,21 @@ def test_the_committed_example_report_has_every_workload_and_every_router():
     for w in orchestrate.WORKLOADS:
         routers = {r["router"] for r in results["workloads"][w]["runs"]}
         assert routers == set(orchestrate.ALL_ROUTERS), (w, routers)
+
+
+def test_the_report_names_the_command_its_seed_and_prefix_routers_added_plugin_keys():
+    # Two reports of the same workloads with another seed or other --plugin
+    # keys differ in every number: the report must say which it is.
+    results = {"argv": ["--workload", "agentic", "--seed", "2", "--plugin", '{"weights": {"prefix": 2}}'],
+               "seed": 2, "plugin_extra": {"weights": {"prefix": 2}}, "workloads": {}}
+    md = report.render(results)
+    assert "Command: `scripts/bench --workload agentic --seed 2 --plugin '{\"weights\": {\"prefix\": 2}}'`" in md
+    assert "load generator seed 2" in md
+    assert 'plugin keys added: `{"weights": {"prefix": 2}}`' in md
+    # An older results.json (argv only) still shows its command line.
+    assert "Command: `scripts/bench --workload all --seed 1`." in report.render(
+        {"argv": ["--workload", "all", "--seed", "1"], "workloads": {}})
+    # A mixed pool is named on its workload's line.
+    md = report.render({"workloads": {"unique": {"setup": {"replicas": 4, "kv_fractions": "1,1,1,0.25"},
+                                                 "runs": []}}})
+    assert "shares by replica 1,1,1,0.25" in md
