@@ -528,6 +528,17 @@ impl Config {
         }
         let (n, most) = (a.cookie_sessions, crate::affinity::cookie::MAX_SESSIONS);
         range("affinity.cookie_sessions", n as u64, 1, most as u64)?;
+        // Only bodies on a Responses path are named or followed: without
+        // one (the default paths) the option did nothing, silently.
+        let responses = self
+            .inference_paths
+            .iter()
+            .any(|p| p.ends_with("/responses"));
+        if a.response_ids && !responses {
+            let why = "names stored responses only on a Responses API path: add `/v1/responses` \
+                       (an entry ending in `/responses`) to `inference_paths`";
+            return Err(invalid("affinity.response_ids", why));
+        }
         Ok(())
     }
 
@@ -784,7 +795,7 @@ mod tests {
         let key = "0123456789abcdef0123456789abcdef-test";
         let with = |extra: &str| {
             let json = format!(
-                r#"{{"endpoints":["10.0.0.1:80"],"affinity":{{"key":"{key}","response_ids":true}}{extra}}}"#
+                r#"{{"endpoints":["10.0.0.1:80"],"inference_paths":["/v1/responses"],"affinity":{{"key":"{key}","response_ids":true}}{extra}}}"#
             );
             Config::parse(json.as_bytes()).unwrap().advice()
         };
@@ -794,6 +805,32 @@ mod tests {
         assert!(with(r#","max_fallbacks":1"#).is_empty());
         let plain = Config::parse(br#"{"endpoints":["10.0.0.1:80"]}"#).unwrap();
         assert!(plain.advice().is_empty());
+    }
+
+    /// Review finding: only bodies on an `inference_paths` entry ending
+    /// in `/responses` are named or followed, and the default paths have
+    /// none, so `response_ids` alone parsed and did nothing at all: every
+    /// follow-up on another replica than its create's got a 404, as
+    /// without the option.
+    #[test]
+    fn stored_responses_need_a_responses_path() {
+        let with = |paths: &str| {
+            format!(
+                r#"{{"endpoints":["10.0.0.1:80"],{paths}"affinity":{{"key":"{KEY}","response_ids":true}}}}"#
+            )
+        };
+        let e = err(&with(""));
+        assert!(
+            e.contains("`affinity.response_ids`") && e.contains("`inference_paths`"),
+            "{e}"
+        );
+        let e = err(&with(r#""inference_paths":["/v1/chat/completions"],"#));
+        assert!(e.contains("`affinity.response_ids`"), "{e}");
+        let ok = with(r#""inference_paths":["/v1/completions","/openai/v1/responses"],"#);
+        assert!(Config::parse(ok.as_bytes()).is_ok());
+        // Off, the paths don't matter.
+        let off = format!(r#"{{"endpoints":["10.0.0.1:80"],"affinity":{{"key":"{KEY}"}}}}"#);
+        assert!(Config::parse(off.as_bytes()).is_ok());
     }
 
     #[test]
