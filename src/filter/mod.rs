@@ -287,7 +287,11 @@ impl HttpFilter {
             return Action::Continue;
         }
         if let (Some(routed), Some(w)) = (self.routed, &self.worker) {
-            if let Some(a) = &w.borrow().router.config.affinity {
+            let w = w.borrow();
+            // Shadow mode only measures: its clients get no new header or
+            // cookie (the token would name the baseline's pick anyway).
+            let route = w.router.config.mode == Mode::Route;
+            if let Some(a) = w.router.config.affinity.as_ref().filter(|_| route) {
                 // The session's replica, for the client to send back to
                 // whichever gateway instance it reaches next.
                 let now_s = h.now_ms() / 1000;

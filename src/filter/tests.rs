@@ -1229,6 +1229,25 @@ fn shadow_mode_counts_what_it_would_shed_and_routes_it() {
     assert_eq!(answer("shadow"), (Action::Continue, vec![], true, 1));
 }
 
+/// Review finding: shadow mode promises that nothing changes for clients
+/// (docs/operators-guide.md), but with `affinity` configured its responses
+/// still carried a token header and a `set-cookie` naming the baseline's
+/// pick: a new cookie in every browser and SDK jar while only measuring.
+#[test]
+fn shadow_mode_issues_no_affinity_token_or_cookie() {
+    let issued = |mode: &str| {
+        let fake = Fake::new();
+        let extra =
+            format!(r#","mode":"{mode}","affinity":{{"key":"{AFFINITY_KEY}","cookie":"pr"}}"#);
+        let w = worker(&fake, &extra);
+        let (_, set) = cookie_turn(&fake, &w, None, &conversation(1, 2));
+        let token = fake.header(Map::Response, crate::config::DEFAULT_AFFINITY_HEADER);
+        (token.is_some(), set.is_some())
+    };
+    assert_eq!(issued("route"), (true, true));
+    assert_eq!(issued("shadow"), (false, false));
+}
+
 /// A chat below a system prompt whose rendering ends on a block boundary
 /// (1,536 bytes: 24 blocks of 64), then `turns` as (role, content).
 fn aligned_chat(turns: &[(&str, &str)]) -> Vec<u8> {
