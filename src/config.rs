@@ -623,6 +623,23 @@ impl Config {
                 s.timeout_ms, self.staleness_ms
             ));
         }
+        if self.traffic_balance {
+            // It reads the replicas' own prefix-cache lookup counters
+            // (vLLM's), and evens out only what instances that can't see
+            // each other's placements dealt out lumpily.
+            let missing = match &self.scrape {
+                _ if self.gateways <= 1 => Some("`gateways` above 1"),
+                None => Some("scraping (`cluster`)"),
+                Some(s) if s.engine != Engine::Vllm => Some("`engine` vllm"),
+                Some(_) => None,
+            };
+            if let Some(missing) = missing {
+                notes.push(format!(
+                    "`traffic_balance` is on but needs {missing} (and the replicas' \
+                     prefix-cache lookup counters): it does nothing here"
+                ));
+            }
+        }
         notes
     }
 
@@ -831,6 +848,28 @@ mod tests {
         // Off, the paths don't matter.
         let off = format!(r#"{{"endpoints":["10.0.0.1:80"],"affinity":{{"key":"{KEY}"}}}}"#);
         assert!(Config::parse(off.as_bytes()).is_ok());
+    }
+
+    /// Review finding: `traffic_balance` acts only with several gateways
+    /// and scraped vLLM lookup counters; set anywhere else it parsed and
+    /// did nothing, without a word.
+    #[test]
+    fn traffic_balance_where_it_cannot_act_is_advised_against() {
+        let with = |extra: &str| {
+            let json = format!(r#"{{"endpoints":["10.0.0.1:80"],"traffic_balance":true{extra}}}"#);
+            Config::parse(json.as_bytes()).unwrap().advice()
+        };
+        for extra in [
+            r#","cluster":"pool""#,
+            r#","gateways":3"#,
+            r#","gateways":3,"cluster":"pool","engine":"sglang""#,
+            r#","gateways":3,"cluster":"pool","engine":"trtllm""#,
+        ] {
+            let advice = with(extra);
+            assert_eq!(advice.len(), 1, "{extra}: {advice:?}");
+            assert!(advice[0].contains("`traffic_balance`"), "{advice:?}");
+        }
+        assert!(with(r#","gateways":3,"cluster":"pool""#).is_empty());
     }
 
     #[test]
