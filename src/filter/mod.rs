@@ -737,9 +737,12 @@ fn trap_if_asked(w: &Worker) {
 /// hold, a 400), a 3xx (a redirect) or a 503 (a refused connection once
 /// retries ran out, an overloaded server). Not a 500, 502 or 504: the
 /// prompt may have been computed before the server failed or Envoy gave
-/// up waiting, and a model server keeps the blocks it computed.
+/// up waiting, and a model server keeps the blocks it computed. Nor a 408:
+/// Envoy's own timeout of a request it had sent (the stream idle timeout,
+/// which ends a long non-streaming generation when the route has none, or
+/// a max stream duration), a 504 by another name.
 fn ran_nothing(status: u16) -> bool {
-    (300..500).contains(&status) || status == 503
+    ((300..500).contains(&status) && status != 408) || status == 503
 }
 
 fn count<H: Host>(h: &H, s: &Stats, c: &Choice, rec: RecordStats) {

@@ -1007,6 +1007,29 @@ fn a_refused_request_leaves_its_prompt_uncredited_on_its_pick() {
     }
 }
 
+/// Envoy's 408 is its own timeout once the request was sent (the stream
+/// idle timeout, which the production config relies on instead of a route
+/// timeout, or a max stream duration): Envoy stopped waiting, as with a
+/// 504, and the server may have computed the prompt (a long non-streaming
+/// generation sends no byte until it ends). It keeps the credit.
+#[test]
+fn envoys_408_after_the_request_was_sent_keeps_the_prompt_credited() {
+    let fake = Fake::new();
+    let w = worker(&fake, "");
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let pick = fake.header(Map::Request, DEST).unwrap();
+    fake.respond(408);
+    s.on_response_headers(&fake);
+    s.on_log(&fake);
+    assert_eq!(fake.stat("index.uncredited"), 0);
+    let mut s = post(&fake, &w, &[], &doc(1));
+    let (held, blocks) = (fake.stat("matched_blocks"), fake.stat("request_blocks"));
+    s.on_log(&fake);
+    assert_eq!(fake.header(Map::Request, DEST), Some(pick));
+    assert_eq!(held, blocks);
+    assert_eq!(in_flight(&fake), HashMap::new());
+}
+
 /// `doc(1)` routed, then answered `status` by another replica than the
 /// pick (the pick refused the connection and Envoy retried): the stream
 /// after its response headers, the pick, and the replica that answered.
