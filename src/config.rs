@@ -123,7 +123,11 @@ impl Default for Config {
             static_endpoints: Vec::new(),
             discovery: None,
             destination_header: DEFAULT_DESTINATION_HEADER.into(),
-            inference_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            inference_paths: vec![
+                "/v1/completions".into(),
+                "/v1/chat/completions".into(),
+                "/v1/messages".into(),
+            ],
             max_fallbacks: 0,
             max_body_bytes: 16 << 20,
             debug_header: false,
@@ -965,7 +969,7 @@ mod tests {
         assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
         assert_eq!(
             c.inference_paths,
-            vec!["/v1/completions", "/v1/chat/completions"]
+            vec!["/v1/completions", "/v1/chat/completions", "/v1/messages"]
         );
         assert_eq!(c.max_fallbacks, 0);
         assert_eq!(c.block_bytes, 64);

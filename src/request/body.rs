@@ -2,7 +2,8 @@
 //! [`Reader`]; every other field is skipped. Prompt text stays as the body
 //! spells it (see `json`); names (`model`, `role`) are decoded.
 //!
-//! The shapes follow the OpenAI API: a field may be a string or an array
+//! The shapes follow the OpenAI API (and the Anthropic Messages API's
+//! `system` and tool blocks): a field may be a string or an array
 //! (`prompt`, `content`, `input`), `null` is the same as absent, a key
 //! given twice counts the last time (as the model server's JSON parser
 //! does), and a value of the wrong type makes the body an error (it is
@@ -10,7 +11,7 @@
 
 use std::borrow::Cow;
 
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::json::{JsonError, Reader};
 
@@ -27,6 +28,8 @@ pub(super) struct Body<'a> {
     pub tools: Option<&'a [u8]>,
     pub functions: Option<&'a [u8]>,
     pub instructions: Option<Text<'a>>,
+    /// The Anthropic Messages API's system prompt, beside `messages`.
+    pub system: Option<Content<'a>>,
     pub input: Option<InputField<'a>>,
     /// The Responses API's stored response this one continues.
     pub previous_response_id: Option<Cow<'a, str>>,
@@ -65,10 +68,25 @@ pub(super) enum Content<'a> {
 /// credited to the first one's replica in full. A digest, not the bytes:
 /// a base64 image would count as tens of thousands of blocks of prefill,
 /// where the server spends a few thousand tokens on it.
+///
+/// The Anthropic Messages API's tool blocks render as what the server
+/// renders of them after a [`Block`] mark: a `tool_use` its name and its
+/// `input` as spelled, a `tool_result` its content (a digest stood for
+/// kilobytes of tool output as one image's worth of prefill). Its
+/// `cache_control` is left out of every part: Claude Code moves that
+/// breakpoint to the newest message each turn, and the prefix is the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Part<'a> {
     Text(Text<'a>),
     Other(u64),
+    Mark(Block),
+}
+
+/// Where an Anthropic tool block starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Block {
+    ToolUse,
+    ToolResult,
 }
 
 /// The Responses API's `input`.
@@ -126,6 +144,10 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             b"tools" => b.tools = nullable(r, Reader::skip)?,
             b"functions" => b.functions = nullable(r, Reader::skip)?,
             b"instructions" => b.instructions = nullable(r, text)?,
+            // Anthropic's `system`: a string or text blocks. Another type
+            // is no system prompt of that API's, and no reason to give up
+            // routing an OpenAI body that happens to carry it.
+            b"system" => b.system = lenient_content(r)?,
             b"input" => b.input = nullable(r, input)?,
             b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
             b"store" => b.store = stores(r)?,
@@ -234,27 +256,84 @@ fn message<'a>(r: &mut Reader<'a>) -> Result<Message<'a>, JsonError> {
 fn content<'a>(r: &mut Reader<'a>) -> Result<Content<'a>, JsonError> {
     match r.peek() {
         Some(b'"') => text(r).map(Content::Text),
-        Some(b'[') => list(r, STRUCTURED, part).map(Content::Parts),
+        Some(b'[') => parts(r, true).map(Content::Parts),
         _ => Err(r.error("a string or an array of content parts")),
     }
 }
 
-/// A content part: its text, or a digest of a part without one.
-fn part<'a>(r: &mut Reader<'a>) -> Result<Part<'a>, JsonError> {
+/// Content, or `None` (skipped) for a value of another type.
+fn lenient_content<'a>(r: &mut Reader<'a>) -> Result<Option<Content<'a>>, JsonError> {
+    match r.peek() {
+        Some(b'"' | b'[') => content(r).map(Some),
+        _ => r.skip().map(|_| None),
+    }
+}
+
+/// An array of content parts, flat: a tool result's own parts follow its
+/// mark. `outer` is false inside a tool result, whose parts are read no
+/// deeper (a `content` there is digested like any other member).
+fn parts<'a>(r: &mut Reader<'a>, outer: bool) -> Result<Vec<Part<'a>>, JsonError> {
+    let mut out = Vec::new();
+    r.array(|r| {
+        r.keep(STRUCTURED)?;
+        part(r, outer, &mut out)
+    })?;
+    Ok(out)
+}
+
+/// One content part into `out`: its text; a tool block's mark and what
+/// it renders; else a digest of its members but `cache_control`.
+fn part<'a>(r: &mut Reader<'a>, outer: bool, out: &mut Vec<Part<'a>>) -> Result<(), JsonError> {
     let mut t = None;
-    let start = r.at();
+    let mut name = None;
+    let mut input = None;
+    let mut nested = None;
+    let mut digest = 0u64;
     r.object(|r, key| {
-        if *key.key(r.at())? == *b"text" {
-            t = nullable(r, text)?;
-        } else {
-            r.skip()?;
+        let key = key.key(r.at())?;
+        match &*key {
+            b"text" => t = nullable(r, text)?,
+            b"input" => input = Some(r.skip()?),
+            b"content" if outer && matches!(r.peek(), Some(b'"' | b'[')) => {
+                nested = Some(match r.peek() {
+                    Some(b'"') => vec![Part::Text(text(r)?)],
+                    _ => parts(r, false)?,
+                });
+            }
+            b"cache_control" => {
+                r.skip()?;
+            }
+            // Any other member is digested, key and value in order: the
+            // part as spelled but for its cache breakpoint. (A part with
+            // text, input or content is rendered by those instead, so
+            // they are not hashed twice.)
+            _ => {
+                let at = r.at();
+                if *key == *b"name" && r.peek() == Some(b'"') {
+                    name = Some(text(r)?);
+                } else {
+                    r.skip()?;
+                }
+                digest = xxh3_64_with_seed(r.since(at).trim_ascii(), digest ^ xxh3_64(&key));
+            }
         }
         Ok(())
     })?;
-    Ok(match t {
-        Some(t) => Part::Text(t),
-        None => Part::Other(xxh3_64(r.since(start).trim_ascii())),
-    })
+    if let Some(t) = t {
+        out.push(Part::Text(t));
+    } else if let Some(input) = input {
+        r.keep(2 * STRUCTURED)?;
+        out.push(Part::Mark(Block::ToolUse));
+        out.extend(name.map(Part::Text));
+        out.push(Part::Text(input));
+    } else if let Some(nested) = nested {
+        r.keep(STRUCTURED)?;
+        out.push(Part::Mark(Block::ToolResult));
+        out.extend(nested);
+    } else {
+        out.push(Part::Other(digest));
+    }
+    Ok(())
 }
 
 fn input<'a>(r: &mut Reader<'a>) -> Result<InputField<'a>, JsonError> {

@@ -1,6 +1,7 @@
-//! OpenAI-style request bodies → model name and the prompt as one byte
+//! OpenAI-style request bodies (and the Anthropic Messages API's, which
+//! vLLM and SGLang serve too) → model name and the prompt as one byte
 //! string, rendered the way it reaches the model server's prompt (tools
-//! first, then messages in order).
+//! first, then the system prompt and messages in order).
 //!
 //! At most `cap` bytes of the rendered prompt are kept (the filter passes
 //! `max_body_bytes`: a prompt's identity reaches its end, see `prefix`).
@@ -8,7 +9,7 @@
 mod body;
 mod json;
 
-use body::{Content, InputField, Part, PromptField};
+use body::{Block, Content, InputField, Part, PromptField};
 pub use json::JsonError;
 use thiserror::Error;
 
@@ -129,6 +130,9 @@ pub fn extract_into<S: Sink>(
     };
     if let Some(messages) = &b.messages {
         render_tools(&mut out, b.tools, b.functions);
+        if let Some(system) = &b.system {
+            out.message("system", Some(system), None);
+        }
         for m in messages {
             out.message(
                 m.role.as_deref().unwrap_or(""),
@@ -325,6 +329,7 @@ impl<S: Sink> Render<S> {
                             self.push_all(&[b"\x1d", &digest.to_le_bytes()]);
                             self.push(&MEDIA_FILL);
                         }
+                        Part::Mark(b) => self.push(mark(*b)),
                     }
                 }
             }
@@ -363,6 +368,16 @@ pub const MEDIA_BYTES: usize = 2048;
 /// After the part's mark and its 8-byte digest.
 const MEDIA_FILL: [u8; MEDIA_BYTES - 1 - 8] = [0; MEDIA_BYTES - 1 - 8];
 
+/// Before an Anthropic tool block's name and input, or its result: bytes
+/// no JSON text holds raw, so a tool's output is not the same text sent
+/// as the user's.
+fn mark(b: Block) -> &'static [u8] {
+    match b {
+        Block::ToolUse => b"\x1bu",
+        Block::ToolResult => b"\x1br",
+    }
+}
+
 /// Text parts that follow one another are joined by a line break, as the
 /// model server joins them (vLLM's chat utils): `["Summarize.", "Be
 /// brief."]` is not the prompt `"Summarize.Be brief."`. Spelled as a JSON
@@ -383,6 +398,7 @@ fn content_len(c: Option<&Content>) -> usize {
                     + match p {
                         Part::Text(t) => t.len(),
                         Part::Other(_) => MEDIA_BYTES,
+                        Part::Mark(b) => mark(*b).len(),
                     }
             })
             .sum(),
@@ -561,19 +577,27 @@ mod tests {
 
     #[test]
     fn chat_renders_roles_lengths_and_text_parts() {
-        let t = text(
-            r#"{"messages":[{"role":"system","content":"be brief"},
-            {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"!"}]}]}"#,
+        let chat = |image: &str| {
+            text(&format!(
+                r#"{{"messages":[{{"role":"system","content":"be brief"}},
+            {{"role":"user","content":[{{"type":"text","text":"hi"}},{image},{{"type":"text","text":"!"}}]}}]}}"#
+            ))
+        };
+        let t = chat(r#"{"type":"image_url","image_url":{"url":"x"}}"#);
+        let head = b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi\x1d";
+        let tail = [&MEDIA_FILL[..], b"!\x1f2051"].concat();
+        assert!(t.starts_with(head) && t.ends_with(&tail), "{t:?}");
+        assert_eq!(t.len(), head.len() + 8 + tail.len());
+        // The 8 bytes between are the image's digest: another image is
+        // another prompt; the same one spelled with other spacing or a
+        // cache breakpoint is the same.
+        let other = chat(r#"{"type":"image_url","image_url":{"url":"y"}}"#);
+        assert_ne!(t, other);
+        assert_eq!(t.len(), other.len());
+        let same = chat(
+            r#"{"type": "image_url", "cache_control": {"type": "ephemeral"}, "image_url": {"url":"x"}}"#,
         );
-        let image = xxhash_rust::xxh3::xxh3_64(br#"{"type":"image_url","image_url":{"url":"x"}}"#);
-        let want = [
-            &b"\x1esystem\x1f6\x1fbe brief\x1f8\x1euser\x1f4\x1fhi\x1d"[..],
-            &image.to_le_bytes(),
-            &MEDIA_FILL,
-            b"!\x1f2051",
-        ]
-        .concat();
-        assert_eq!(t, want);
+        assert_eq!(t, same);
     }
 
     #[test]
@@ -608,6 +632,135 @@ mod tests {
             ))
         };
         assert_ne!(input("data:one"), input("data:two"));
+    }
+
+    /// An Anthropic Messages API body (`/v1/messages`).
+    fn messages(system: &str, messages: &str) -> Vec<u8> {
+        text(&format!(
+            r#"{{"model":"m","max_tokens":64,"system":{system},"messages":{messages}}}"#
+        ))
+    }
+
+    #[test]
+    fn an_anthropic_system_prompt_renders_first_like_a_system_message() {
+        let user = r#"[{"role":"user","content":"hi"}]"#;
+        let chat = text(
+            r#"{"messages":[{"role":"system","content":"rules"},{"role":"user","content":"hi"}]}"#,
+        );
+        assert_eq!(messages(r#""rules""#, user), chat);
+        let blocks = r#"[{"type":"text","text":"rules","cache_control":{"type":"ephemeral"}}]"#;
+        assert_eq!(messages(blocks, user), chat);
+        // Review finding: `system` was skipped, so two agents with
+        // different system prompts and the same first message were one
+        // prompt, and the system prompt weighed nothing.
+        assert_ne!(messages(r#""other rules""#, user), chat);
+        // It opens the preamble: the lead is where the user's own part
+        // starts.
+        let body = r#"{"system":"rules","messages":[{"role":"user","content":"my task"}]}"#;
+        let p = extract(body.as_bytes(), 1 << 20).unwrap();
+        assert!(p.text[p.lead_bytes..].starts_with(b"my task"), "{p:?}");
+        // A `system` of another type is not the Messages API's: skipped,
+        // and the body still routes.
+        assert_eq!(
+            messages("{}", user),
+            text(r#"{"messages":[{"role":"user","content":"hi"}]}"#)
+        );
+    }
+
+    /// Claude Code's turns: tools and system with their breakpoints, and
+    /// one breakpoint on the newest message's last block, which moves on.
+    #[test]
+    fn an_agents_turn_is_a_prefix_of_its_next_one_though_its_breakpoint_moved() {
+        const CC: &str = r#""cache_control":{"type":"ephemeral"}"#;
+        let system = format!(r#"[{{"type":"text","text":"You are a coding agent.",{CC}}}]"#);
+        let task = |cc: &str| {
+            format!(
+                r#"{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"iVBOR"}}{cc}}},{{"type":"text","text":"fix the bug"{cc}}}]}}"#
+            )
+        };
+        let call = r#"{"role":"assistant","content":[{"type":"text","text":"Reading it."},{"type":"tool_use","id":"toolu_1","name":"read_file","input":{"path":"src/main.rs"}}]}"#;
+        let result = |cc: &str| {
+            format!(
+                r#"{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"toolu_1","content":"fn main() {{}}"{cc}}}]}}"#
+            )
+        };
+        let cc = format!(",{CC}");
+        let turn1 = messages(&system, &format!("[{}]", task(&cc)));
+        let turn2 = messages(&system, &format!("[{},{call},{}]", task(""), result(&cc)));
+        let turn3 = messages(
+            &system,
+            &format!("[{},{call},{},{call}]", task(""), result("")),
+        );
+        assert!(
+            turn2.starts_with(&turn1),
+            "turn 1 is not a prefix of turn 2"
+        );
+        assert!(
+            turn3.starts_with(&turn2),
+            "turn 2 is not a prefix of turn 3"
+        );
+    }
+
+    #[test]
+    fn anthropic_tool_blocks_render_their_name_input_and_result() {
+        let user = |blocks: &str| {
+            messages(
+                r#""s""#,
+                &format!(r#"[{{"role":"user","content":{blocks}}}]"#),
+            )
+        };
+        let output = "x".repeat(3000);
+        let result = |content: &str| {
+            user(&format!(
+                r#"[{{"type":"tool_result","tool_use_id":"t","content":{content}}}]"#
+            ))
+        };
+        // A tool's output weighs its length (a digest weighed 2 KiB).
+        let long = result(&format!(r#""{output}""#));
+        assert!(long.windows(3000).any(|w| w == output.as_bytes()));
+        assert_ne!(long, result(&format!(r#""{output}y""#)));
+        // Its content as a string or as text blocks is one prompt.
+        assert_eq!(
+            long,
+            result(&format!(r#"[{{"type":"text","text":"{output}"}}]"#))
+        );
+        // A tool's output is not the user's text.
+        assert_ne!(result(r#""ok""#), user(r#"[{"type":"text","text":"ok"}]"#));
+        // A tool call: its name and its input as spelled.
+        let call = |name: &str, path: &str| {
+            user(&format!(
+                r#"[{{"type":"tool_use","id":"toolu_9","name":"{name}","input":{{"path":"{path}"}}}}]"#
+            ))
+        };
+        let a = call("read_file", "a.rs");
+        assert!(a.windows(15).any(|w| w == br#"{"path":"a.rs"}"#));
+        assert_ne!(a, call("read_file", "b.rs"));
+        assert_ne!(a, call("write_file", "a.rs"));
+        // Inside a result, parts are read one level deep: a result nested
+        // in a result is a digest, not its text.
+        let nested = result(r#"[{"type":"tool_result","content":"deep"}]"#);
+        assert!(!nested.windows(4).any(|w| w == b"deep"));
+        assert_ne!(
+            nested,
+            result(r#"[{"type":"tool_result","content":"other"}]"#)
+        );
+    }
+
+    #[test]
+    fn anthropic_tool_calls_count_against_the_bodys_budget() {
+        let calls = |n: usize| {
+            let call = r#"{"type":"tool_use","name":"f","input":{}}"#;
+            let blocks = vec![call; n].join(",");
+            format!(r#"{{"messages":[{{"role":"assistant","content":[{blocks}]}}]}}"#)
+        };
+        // Three parts each (mark, name, input): 21,845 fit the budget.
+        let per_call = 3 * body::STRUCTURED;
+        let fits = (body::KEPT_UNITS / per_call) as usize - 1;
+        assert!(extract(calls(fits).as_bytes(), 1 << 24).is_ok());
+        assert!(matches!(
+            extract(calls(fits + 2).as_bytes(), 1 << 24),
+            Err(ParseError::Json(_))
+        ));
     }
 
     #[test]
