@@ -5,7 +5,7 @@
 //! Criterion can't run inside wasm; this is its small stand-in there.
 //!
 //! `decision_cost SHAPE BYTES N` instead parses and hashes one body (shape
-//! `plain`, `escaped` or `agent`) N times and prints nothing: for counting
+//! `plain`, `escaped`, `agent` or `anthropic`) N times and prints nothing: for counting
 //! instructions, which a noisy machine doesn't change (`valgrind
 //! --tool=callgrind`, run with N and with 0, and take the difference).
 
@@ -71,6 +71,44 @@ fn agent_body(bytes: usize) -> String {
     )
 }
 
+/// The same agent's turn as a coding agent sends it over the Anthropic
+/// Messages API (`/v1/messages`): tools with `input_schema`, `system` as
+/// blocks, each call a `tool_use` block and each result a `tool_result`
+/// block, with Claude Code's cache breakpoints.
+fn anthropic_body(bytes: usize) -> String {
+    const CC: &str = r#""cache_control":{"type":"ephemeral"}"#;
+    let tools: Vec<String> = (0..40)
+        .map(|i| {
+            format!(
+                r#"{{"name":"tool_{i}","description":"Looks up record {i} in the inventory and returns its fields, history and owners as JSON.","input_schema":{{"type":"object","properties":{{"id":{{"type":"string","description":"The record id, as printed on the label"}},"fields":{{"type":"array","items":{{"type":"string"}},"description":"Which fields to return; all when empty"}},"since":{{"type":"string","format":"date-time","description":"Only history after this instant"}},"limit":{{"type":"integer","minimum":1,"maximum":500}}}},"required":["id"]}}}}"#
+            )
+        })
+        .collect();
+    let mut messages = vec![
+        r#"{"role":"user","content":[{"type":"text","text":"Task: reconcile the inventory of site 7 with last week's audit.\nReport every mismatch."}]}"#.to_string(),
+    ];
+    let mut t = 0;
+    while messages.iter().map(String::len).sum::<usize>() + 30_000 < bytes {
+        let rows: String = (0..40)
+            .map(|r| {
+                format!(r#"{{\"id\":\"r-{t}-{r}\",\"state\":\"ok\",\"owner\":\"team {r}\"}},\n"#)
+            })
+            .collect();
+        messages.push(format!(
+            r#"{{"role":"assistant","content":[{{"type":"tool_use","id":"toolu_{t}","name":"tool_{t}","input":{{"id":"r-{t}","limit":40}}}}]}}"#
+        ));
+        messages.push(format!(
+            r#"{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"toolu_{t}","content":"{{\"records\":[\n{rows}]}}",{CC}}}]}}"#
+        ));
+        t += 1;
+    }
+    format!(
+        r#"{{"model":"llama","max_tokens":4096,"tools":[{}],"system":[{{"type":"text","text":"You are an operations agent.\nCall one tool at a time and use its result.\nNever guess a record id.",{CC}}}],"messages":[{}],"stream":true}}"#,
+        tools.join(","),
+        messages.join(",")
+    )
+}
+
 fn median_us(runs: usize, mut f: impl FnMut()) -> f64 {
     let mut t: Vec<f64> = (0..runs)
         .map(|_| {
@@ -86,6 +124,7 @@ fn median_us(runs: usize, mut f: impl FnMut()) -> f64 {
 fn body_of(shape: &str, size: usize) -> String {
     match shape {
         "agent" => agent_body(size),
+        "anthropic" => anthropic_body(size),
         s => body(size, s == "escaped"),
     }
 }
@@ -109,7 +148,7 @@ fn main() {
         "body", "shape", "json", "render", "hash", "decision"
     );
     let sizes = [16 << 10, 256 << 10, 1 << 20];
-    for (shape, size) in ["plain", "escaped", "agent"]
+    for (shape, size) in ["plain", "escaped", "agent", "anthropic"]
         .into_iter()
         .flat_map(|e| sizes.map(|s| (e, s)))
     {
