@@ -1,5 +1,6 @@
-//! HTTP surface of one replica: OpenAI-compatible inference, vLLM's
-//! tokenizer/render endpoints, metrics, and admin/fault endpoints.
+//! HTTP surface of one replica: OpenAI-compatible inference, the Anthropic
+//! Messages API, vLLM's tokenizer/render endpoints, metrics, and
+//! admin/fault endpoints.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -22,6 +23,7 @@ use tokio_stream::StreamExt;
 use crate::engine::{Event, Submission, Usage};
 use crate::fault::{Fault, Mode};
 use crate::hash::chain_hashes;
+use crate::messages;
 use crate::metrics_fault::{self, MetricsFault};
 use crate::openai::{self, Kind, Meta, Prepared};
 use crate::replica::Replica;
@@ -40,6 +42,7 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(responses))
         .route("/v1/responses/{id}", get(stored_response))
+        .route("/v1/messages", post(anthropic_messages))
         .route("/v1/completions/render", post(render_completion))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/tokenize", post(tokenize))
@@ -73,21 +76,24 @@ async fn guard(State(r): Shared, req: Request, next: Next) -> Response {
 }
 
 async fn gated(r: &Replica, req: Request, next: Next) -> Response {
+    // The Messages API's clients read Anthropic's error shape.
+    let anthropic = req.uri().path() == "/v1/messages";
+    let refuse = |message: &str| {
+        let e = error(StatusCode::SERVICE_UNAVAILABLE, message);
+        if anthropic {
+            Anthropic(e).into_response()
+        } else {
+            e.into_response()
+        }
+    };
     let mut modes = r.fault.subscribe();
     loop {
         let mode = modes.borrow_and_update().mode;
         match mode {
-            Mode::Down => {
-                return error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "replica is down (fault injection)",
-                )
-                .into_response()
-            }
+            Mode::Down => return refuse("replica is down (fault injection)"),
             Mode::Hang => {
                 if modes.changed().await.is_err() {
-                    return error(StatusCode::SERVICE_UNAVAILABLE, "replica stopped")
-                        .into_response();
+                    return refuse("replica stopped");
                 }
             }
             Mode::Ok | Mode::Slow => return next.run(req).await,
@@ -112,6 +118,23 @@ impl IntoResponse for ApiError {
         let code = self.status.as_u16();
         let body = json!({"error": {"message": self.message, "type": kind, "code": code}});
         (self.status, Json(body)).into_response()
+    }
+}
+
+/// An error of the Messages API: Anthropic's shape,
+/// `{"type": "error", "error": {"type", "message"}}`.
+struct Anthropic(ApiError);
+
+impl From<ApiError> for Anthropic {
+    fn from(e: ApiError) -> Self {
+        Anthropic(e)
+    }
+}
+
+impl IntoResponse for Anthropic {
+    fn into_response(self) -> Response {
+        let body = messages::error_body(self.0.status.as_u16(), &self.0.message);
+        (self.0.status, Json(body)).into_response()
     }
 }
 
@@ -279,6 +302,51 @@ async fn responses(State(r): Shared, headers: HeaderMap, body: RawBody) -> Answe
         (header::CACHE_CONTROL, "no-cache"),
     ];
     Ok((headers, Body::from_stream(first.chain(events))).into_response())
+}
+
+/// `POST /v1/messages`: the Anthropic Messages API, converted into the
+/// chat request vLLM makes of it (`messages.rs`), then served as chat.
+async fn anthropic_messages(
+    State(r): Shared,
+    headers: HeaderMap,
+    body: RawBody,
+) -> Result<Response, Anthropic> {
+    let body = read_body(body)?;
+    let req = messages::parse(&body).map_err(bad_request)?;
+    let prepared = Prepared {
+        kind: Kind::Chat,
+        model: Some(req.model.clone()),
+        // vLLM's conversion passes no cache salt.
+        cache_salt: None,
+        tokens: crate::tokenizer::encode(&messages::render(&req)),
+        max_tokens: Some(req.max_tokens),
+        stream: req.stream,
+        include_usage: false,
+    };
+    let (job, rx) = submit(&r, &headers, prepared).await?;
+    let meta = messages::Meta {
+        id: format!("msg_{}", job.meta.id.trim_start_matches("chatcmpl-")),
+        model: job.meta.model.clone(),
+        input_tokens: job.prepared.tokens.len(),
+        max_tokens: job.max_tokens,
+    };
+    if !job.prepared.stream {
+        let (text, usage) = generated(rx).await?;
+        return Ok(Json(meta.message(&text, &usage)).into_response());
+    }
+    let opening = tokio_stream::once(Ok::<_, Infallible>(Bytes::from(meta.opening())));
+    let events = UnboundedReceiverStream::new(rx).map(move |ev| {
+        let frames = match ev {
+            Event::Token(t) => messages::Meta::delta(t),
+            Event::Done(usage) => meta.closing(&usage),
+        };
+        Ok::<_, Infallible>(Bytes::from(frames))
+    });
+    let headers = [
+        (header::CONTENT_TYPE, "text/event-stream"),
+        (header::CACHE_CONTROL, "no-cache"),
+    ];
+    Ok((headers, Body::from_stream(opening.chain(events))).into_response())
 }
 
 /// `GET /v1/responses/{id}`: the stored conversation's last answer.

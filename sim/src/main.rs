@@ -6,6 +6,7 @@ mod engine;
 mod fault;
 mod hash;
 mod kv;
+mod messages;
 mod metrics;
 mod metrics_fault;
 mod openai;

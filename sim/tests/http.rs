@@ -579,3 +579,251 @@ fn a_stored_response_continues_on_its_replica_only() {
     assert_eq!(post(a, "/v1/responses", &unstored).status, 200);
     assert_eq!(get(a, "/v1/responses/resp_gone").status, 404);
 }
+
+/// An agent session's turn `k` over the Messages API, as Claude Code
+/// sends it: system blocks, a tool, the whole history (tool calls and
+/// their results), the cache breakpoint on the last block only.
+fn messages_turn(k: usize, preamble: &str) -> Value {
+    let mut msgs =
+        vec![json!({"role": "user", "content": [{"type": "text", "text": "Fix the tests."}]})];
+    for t in 0..k {
+        msgs.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": format!("Step {t}.")},
+            {"type": "tool_use", "id": format!("toolu_{t}"), "name": "run", "input": {"cmd": "cargo test"}}
+        ]}));
+        msgs.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": format!("toolu_{t}"), "content": text(10 + t, 120)}
+        ]}));
+    }
+    let last = msgs.last_mut().unwrap()["content"]
+        .as_array_mut()
+        .unwrap()
+        .last_mut()
+        .unwrap();
+    last["cache_control"] = json!({"type": "ephemeral"});
+    json!({
+        "model": "sim-model", "max_tokens": 3,
+        "system": [{"type": "text", "text": preamble, "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "run", "description": "Run a command",
+                   "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}],
+        "messages": msgs
+    })
+}
+
+/// What vLLM makes of `messages_turn(k)`: the chat body.
+fn messages_turn_as_chat(k: usize, preamble: &str) -> Value {
+    let mut msgs = vec![
+        json!({"role": "system", "content": preamble}),
+        json!({"role": "user", "content": "Fix the tests."}),
+    ];
+    for t in 0..k {
+        msgs.push(
+            json!({"role": "assistant", "content": format!("Step {t}."), "tool_calls": [
+            {"id": format!("toolu_{t}"), "type": "function",
+             "function": {"name": "run", "arguments": "{\"cmd\": \"cargo test\"}"}}]}),
+        );
+        msgs.push(
+            json!({"role": "tool", "tool_call_id": format!("toolu_{t}"), "content": text(10 + t, 120)}),
+        );
+    }
+    json!({
+        "model": "sim-model", "max_tokens": 3, "messages": msgs,
+        "tools": [{"type": "function", "function": {"name": "run", "description": "Run a command",
+                   "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+    })
+}
+
+/// Server-sent events as (event name, data), checking the framing
+/// (`event: NAME\ndata: JSON\n\n`, the name the data's type).
+fn events(addr: &str, path: &str, body: &Value) -> Vec<(String, Value)> {
+    let resp = agent(Duration::from_secs(20))
+        .post(&format!("http://{addr}{path}"))
+        .send_string(&body.to_string())
+        .expect("stream request");
+    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    assert_eq!(resp.header("x-served-by"), Some(addr));
+    let mut raw = String::new();
+    std::io::Read::read_to_string(&mut resp.into_reader(), &mut raw).unwrap();
+    assert!(raw.ends_with("\n\n"), "{raw:?}");
+    raw.trim_end_matches("\n\n")
+        .split("\n\n")
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("bad event {e:?}"));
+            let data: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(data["type"], name, "{e}");
+            (name.to_string(), data)
+        })
+        .collect()
+}
+
+#[test]
+fn messages_stream_their_events_in_order_with_text_and_usage() {
+    let sim = Sim::start(1, &[]);
+    let a = sim.addr();
+    let preamble = text(20, 200);
+    let mut body = messages_turn(2, &preamble);
+    body["stream"] = json!(true);
+    let evs = events(a, "/v1/messages", &body);
+    let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    let start = &evs[0].1["message"];
+    assert!(start["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(
+        (&start["role"], &start["model"], &start["content"]),
+        (&json!("assistant"), &json!("sim-model"), &json!([]))
+    );
+    assert_eq!(
+        evs[1].1["content_block"],
+        json!({"type": "text", "text": ""})
+    );
+    let said: String = evs[3..6]
+        .iter()
+        .map(|(_, d)| {
+            assert_eq!(
+                (&d["index"], &d["delta"]["type"]),
+                (&json!(0), &json!("text_delta"))
+            );
+            d["delta"]["text"].as_str().unwrap()
+        })
+        .collect();
+    assert!(!said.is_empty());
+    // The prompt is the chat body's: the same number of tokens.
+    let chat = post(
+        a,
+        "/v1/chat/completions",
+        &messages_turn_as_chat(2, &preamble),
+    )
+    .json();
+    let prompt = &chat["usage"]["prompt_tokens"];
+    assert_eq!(&start["usage"]["input_tokens"], prompt);
+    let end = &evs[7].1;
+    assert_eq!(end["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(end["usage"]["output_tokens"], 3);
+    assert_eq!(&end["usage"]["input_tokens"], prompt);
+    assert_eq!(end["usage"]["cache_read_input_tokens"], 0, "cold");
+
+    // Not streamed: one message.
+    body["stream"] = json!(false);
+    let m = post(a, "/v1/messages", &body).json();
+    assert_eq!(
+        (&m["type"], &m["stop_reason"]),
+        (&json!("message"), &json!("max_tokens"))
+    );
+    assert_eq!(m["content"][0]["type"], "text");
+    assert!(!m["content"][0]["text"].as_str().unwrap().is_empty());
+    assert_eq!(&m["usage"]["input_tokens"], prompt);
+    assert!(m["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 300);
+}
+
+/// The cache hits across the two APIs' equivalent bodies, and a session's
+/// next turn (its breakpoint moved to the new last block) hits the last.
+#[test]
+fn messages_share_the_chat_cache_and_a_sessions_next_turn_hits() {
+    let sim = Sim::start(1, &[]);
+    let a = sim.addr();
+    let preamble = text(21, 400);
+    let chat = post(
+        a,
+        "/v1/chat/completions",
+        &messages_turn_as_chat(1, &preamble),
+    )
+    .json();
+    let m = post(a, "/v1/messages", &messages_turn(1, &preamble)).json();
+    let p = chat["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(m["usage"]["input_tokens"], p);
+    assert_eq!(
+        m["usage"]["cache_read_input_tokens"],
+        (p - 1) / 16 * 16,
+        "the whole prompt but its last token, in whole blocks"
+    );
+
+    let sim = Sim::start(1, &[]);
+    let a = sim.addr();
+    let first = post(a, "/v1/messages", &messages_turn(1, &preamble)).json();
+    let before = metric(a, "vllm:prefix_cache_hits_total");
+    assert_eq!(before, 0.0);
+    let next = post(a, "/v1/messages", &messages_turn(2, &preamble)).json();
+    let hits = metric(a, "vllm:prefix_cache_hits_total") - before;
+    let p1 = first["usage"]["input_tokens"].as_u64().unwrap() as f64;
+    // Turn 1's prompt in whole blocks (its last block may end mid-way).
+    assert!(hits >= (p1 / 16.0).floor() * 16.0 - 16.0, "{hits} of {p1}");
+    assert_eq!(
+        next["usage"]["cache_read_input_tokens"].as_f64(),
+        Some(hits)
+    );
+}
+
+#[test]
+fn bad_messages_bodies_get_anthropic_style_errors() {
+    let sim = Sim::start(1, &["--max-model-len", "512"]);
+    let a = sim.addr();
+    let ok = json!({"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let mut cases: Vec<(String, u16)> = vec![
+        ("not json".into(), 400),
+        (json!({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).to_string(), 400),
+        (json!({"model": "sim-model", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}).to_string(), 400),
+        (json!({"model": "sim-model", "max_tokens": 2, "messages": []}).to_string(), 400),
+        (json!({"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}).to_string(), 400),
+    ];
+    // Over the context length, as vLLM words it.
+    let mut long = ok.clone();
+    long["messages"][0]["content"] = json!(text(22, 600));
+    cases.push((long.to_string(), 400));
+    for (body, status) in cases {
+        let r = try_post(a, "/v1/messages", &body, &[], Duration::from_secs(5)).unwrap();
+        assert_eq!(r.status, status, "{body:.80}: {}", r.body);
+        assert_eq!(r.served_by.as_deref(), Some(a));
+        let e = r.json();
+        assert_eq!(e["type"], "error", "{}", r.body);
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        assert!(e["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+    // The fault modes apply; a down replica answers in the same shape.
+    assert_eq!(
+        post(a, "/admin/fault", &json!({"mode": "down"})).status,
+        200
+    );
+    let r = try_post(
+        a,
+        "/v1/messages",
+        &ok.to_string(),
+        &[],
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["type"], "overloaded_error");
+    let chat = try_post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+        &[],
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!(
+        chat.json()["error"]["code"],
+        503,
+        "other routes keep OpenAI's shape"
+    );
+    assert_eq!(post(a, "/admin/fault", &json!({"mode": "ok"})).status, 200);
+    assert_eq!(post(a, "/v1/messages", &ok).status, 200);
+}
