@@ -106,6 +106,15 @@ struct Chunk {
     delta: Option<serde_json::Value>,
     #[serde(default)]
     response: Option<Response>,
+    /// The Messages API's `message_start`: the message, with its usage.
+    #[serde(default)]
+    message: Option<Message>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    usage: Option<Usage>,
 }
 
 /// The response object of a Responses API event.
@@ -147,6 +156,13 @@ struct Usage {
     prompt_tokens: u64,
     #[serde(default)]
     prompt_tokens_details: Option<Details>,
+    /// The Messages API's: the prompt (vLLM counts all of it here;
+    /// Anthropic's own API only the part not read from its cache), and
+    /// the part read from the cache.
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -255,7 +271,7 @@ pub async fn send(
         let msg = String::from_utf8_lossy(&err_body);
         out.error = Some(format!("HTTP {}: {}", out.status, msg.trim()));
     } else if out.error.is_none() && !sse.done {
-        out.error = Some("stream ended without [DONE]".into());
+        out.error = Some("stream ended without [DONE] (or its API's last event)".into());
     }
     if out.error.is_none() {
         pool.put(sender);
@@ -313,17 +329,23 @@ impl Sse {
         if let Some(e) = chunk.error {
             out.error.get_or_insert_with(|| format!("error event: {e}"));
         }
-        if let Some(u) = chunk.usage {
-            out.prompt_tokens = Some(u.prompt_tokens);
-            out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
-        }
         let piece: String = match chunk.kind.as_deref() {
             Some(kind) if kind == "error" || kind.starts_with("response.") => {
                 self.response_event(kind, chunk.delta, chunk.response, payload, out)
             }
-            _ => (chunk.choices.into_iter())
-                .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
-                .collect(),
+            Some(kind) if MESSAGE_EVENTS.contains(&kind) => {
+                let usage = chunk.message.and_then(|m| m.usage).or(chunk.usage);
+                self.message_event(kind, chunk.delta, usage, out)
+            }
+            _ => {
+                if let Some(u) = chunk.usage {
+                    out.prompt_tokens = Some(u.prompt_tokens);
+                    out.cached_tokens = u.prompt_tokens_details.map(|d| d.cached_tokens);
+                }
+                (chunk.choices.into_iter())
+                    .filter_map(|c| c.text.or(c.delta.and_then(|d| d.content)))
+                    .collect()
+            }
         };
         if piece.is_empty() {
             return;
@@ -376,6 +398,52 @@ impl Sse {
             _ => {}
         }
         String::new()
+    }
+}
+
+/// The Messages API's event types (`error` is handled with the
+/// Responses API's, the same shape).
+const MESSAGE_EVENTS: [&str; 7] = [
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+    "ping",
+];
+
+impl Sse {
+    /// A Messages API event: its text, if a `text_delta`. The prompt and
+    /// cached tokens come from `message_start` and then `message_delta`
+    /// (the later wins; `input_tokens` taken as the whole prompt, as vLLM
+    /// reports it); the stream ends with `message_stop`, no `[DONE]`.
+    fn message_event(
+        &mut self,
+        kind: &str,
+        delta: Option<serde_json::Value>,
+        usage: Option<Usage>,
+        out: &mut Outcome,
+    ) -> String {
+        if let Some(u) = usage {
+            if let Some(n) = u.input_tokens {
+                out.prompt_tokens = Some(n);
+            }
+            if let Some(n) = u.cache_read_input_tokens {
+                out.cached_tokens = Some(n);
+            }
+        }
+        match kind {
+            "content_block_delta" => delta
+                .filter(|d| d["type"] == "text_delta")
+                .and_then(|d| d["text"].as_str().map(str::to_string))
+                .unwrap_or_default(),
+            "message_stop" => {
+                self.done = true;
+                String::new()
+            }
+            _ => String::new(),
+        }
     }
 }
 
@@ -547,6 +615,71 @@ mod tests {
         );
         assert!(sse.done && out.error.is_none(), "{out:?}");
         assert_eq!(out.response_id.as_deref(), Some("resp_3"));
+    }
+
+    #[test]
+    fn messages_events_give_the_text_ttft_usage_and_the_end() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"content\":[],\"usage\":{\"input_tokens\":700,\"output_tokens\":0}}}\n\n\
+              event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n\
+              event: ping\ndata: {\"type\": \"ping\"}\n\n",
+            at(5),
+            &mut out,
+        );
+        assert_eq!(
+            (out.prompt_tokens, out.ttft_ms, out.chunks),
+            (Some(700), None, 0)
+        );
+        // A thinking delta is no text; the first text delta is the TTFT.
+        sse.feed(
+            b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"hm\"}}\n\n\
+              event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n",
+            at(20),
+            &mut out,
+        );
+        assert_eq!(out.ttft_ms, None, "the event isn't complete yet");
+        sse.feed(b"\n", at(30), &mut out);
+        sse.feed(
+            b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\" there\"}}\n\n\
+              event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n\
+              event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"input_tokens\":700,\"output_tokens\":2,\"cache_read_input_tokens\":512}}\n\n",
+            at(45),
+            &mut out,
+        );
+        assert_eq!(out.text, "Hi there");
+        assert_eq!((out.chunks, out.ttft_ms), (2, Some(30.0)));
+        assert_eq!(out.itl_ms, vec![15.0]);
+        assert_eq!(
+            (out.prompt_tokens, out.cached_tokens),
+            (Some(700), Some(512))
+        );
+        assert!(!sse.done, "not before message_stop");
+        sse.feed(
+            b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            at(50),
+            &mut out,
+        );
+        assert!(sse.done && out.error.is_none(), "{out:?}");
+
+        // An error event (Anthropic's shape) fails the request.
+        let mut out = Outcome::default();
+        let mut sse = Sse::new(t0);
+        sse.feed(
+            b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
+            at(5),
+            &mut out,
+        );
+        assert!(
+            out.error
+                .as_deref()
+                .is_some_and(|e| e.contains("overloaded_error")),
+            "{out:?}"
+        );
+        assert!(!sse.done);
     }
 
     #[test]

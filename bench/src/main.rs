@@ -129,7 +129,10 @@ struct Cli {
     /// Send nothing: write the planned requests as a JSONL trace in the
     /// replay format (timestamp, path, session_id, turn, body) to --out or
     /// stdout. Sessions get start + think times as timestamps. Not for
-    /// multi-turn (its history holds the server's answers).
+    /// multi-turn (its history holds the server's answers) or
+    /// agentic-responses (its bodies name the server's responses);
+    /// agentic-messages writes its `/v1/messages` bodies, which replay
+    /// does not send.
     #[arg(long)]
     dry_run: bool,
     #[command(subcommand)]
@@ -225,7 +228,9 @@ enum Workload {
         ramp: f64,
         /// `responses`: the Responses API with stored responses, each turn
         /// continuing the last by `previous_response_id` (the workload is
-        /// then named agentic-responses).
+        /// then named agentic-responses). `messages`: the Anthropic
+        /// Messages API (`/v1/messages`) as Claude Code sends it, the whole
+        /// history every turn (agentic-messages).
         #[arg(long, value_enum, default_value_t = workload::Api::Chat)]
         api: workload::Api,
     },
@@ -376,6 +381,7 @@ fn plan(cli: &Cli) -> Result<(String, Plan, Value), String> {
             let name = match api {
                 workload::Api::Chat => "agentic",
                 workload::Api::Responses => "agentic-responses",
+                workload::Api::Messages => "agentic-messages",
             };
             (name.into(), workload::agentic(&p, cli.seed), params)
         }
@@ -729,8 +735,14 @@ async fn run_sessions(run: Arc<Run>, sessions: Vec<Session>, cli: &Cli, send_dea
                         session.responses_body(t, previous.as_deref(), &model, max_tokens),
                         Some(session.responses_prompt(t, &answers, &model)),
                     ),
+                    Api::Messages => (
+                        "/v1/messages",
+                        session.messages_body(t, &model, max_tokens),
+                        Some(session.messages_prompt(t, &model)),
+                    ),
                 };
-                if cache_key {
+                // OpenAI's routing hint; the Messages API has none.
+                if cache_key && session.api != Api::Messages {
                     body["prompt_cache_key"] = json!(session.key);
                 }
                 let ask = Ask {
@@ -840,9 +852,18 @@ fn dry_run(cli: &Cli, name: &str, plan: &Plan) -> Result<(), String> {
                     if t > 0 {
                         at += s.think[t];
                     }
-                    lines.push(json!({"timestamp": at, "path": "/v1/chat/completions",
-                        "session_id": s.key, "turn": t,
-                        "body": s.body(t, &cli.model, cli.max_tokens)}));
+                    let (path, body) = match s.api {
+                        Api::Messages => (
+                            "/v1/messages",
+                            s.messages_body(t, &cli.model, cli.max_tokens),
+                        ),
+                        _ => (
+                            "/v1/chat/completions",
+                            s.body(t, &cli.model, cli.max_tokens),
+                        ),
+                    };
+                    lines.push(json!({"timestamp": at, "path": path,
+                        "session_id": s.key, "turn": t, "body": body}));
                 }
             }
             lines.sort_by(|a, b| {

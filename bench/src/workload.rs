@@ -64,6 +64,10 @@ pub enum Api {
     /// names the one before (`previous_response_id`) and sends only what
     /// is new, so it can be served only where that response is stored.
     Responses,
+    /// `/v1/messages` (the Anthropic Messages API), as Claude Code sends
+    /// it: every turn resends the whole history, its cache breakpoint on
+    /// the newest block.
+    Messages,
 }
 
 impl Session {
@@ -73,10 +77,7 @@ impl Session {
 
     /// The request body of turn `t`: the whole history so far.
     pub fn body(&self, t: usize, model: &str, max_tokens: usize) -> Value {
-        let mut messages = self.head.clone();
-        for step in self.steps.iter().take(t + 1) {
-            messages.extend(step.iter().cloned());
-        }
+        let messages = self.history(t).cloned().collect();
         let mut b = chat(model, messages, max_tokens);
         b["tools"] = (*self.tools).clone();
         b
@@ -135,6 +136,122 @@ impl Session {
         b
     }
 
+    /// Turn `t` over the Anthropic Messages API, as Claude Code sends it:
+    /// the system prompt as text blocks, the tools in Anthropic's form,
+    /// the whole history (the model's tool calls as `tool_use` blocks,
+    /// their results as `tool_result` blocks of user messages), and a
+    /// `cache_control` breakpoint on the system's last block, the last
+    /// tool and the last block of the last message, which moves to the
+    /// newest block every turn.
+    pub fn messages_body(&self, t: usize, model: &str, max_tokens: usize) -> Value {
+        let ephemeral = json!({"type": "ephemeral"});
+        // Two blocks, as Claude Code splits its system prompt (the
+        // server joins them with nothing between).
+        let system_text = self.instructions().as_str().unwrap_or_default();
+        let cut = system_text.find('\n').map_or(system_text.len(), |i| i + 1);
+        let mut system: Vec<Value> = [&system_text[..cut], &system_text[cut..]]
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| json!({"type": "text", "text": s}))
+            .collect();
+        if let Some(last) = system.last_mut() {
+            last["cache_control"] = ephemeral.clone();
+        }
+        let mut tools: Vec<Value> = (self.tools.as_array().into_iter().flatten())
+            .map(|t| {
+                let f = &t["function"];
+                json!({"name": f["name"], "description": f["description"],
+                       "input_schema": f["parameters"]})
+            })
+            .collect();
+        if let Some(last) = tools.last_mut() {
+            last["cache_control"] = ephemeral.clone();
+        }
+        let mut messages: Vec<Value> = Vec::new();
+        for m in self.history(t).skip(1) {
+            let text = |v: &Value| json!({"type": "text", "text": v});
+            let (role, blocks) = match m["role"].as_str() {
+                Some("assistant") => {
+                    let mut blocks: Vec<Value> = m["content"]
+                        .as_str()
+                        .filter(|c| !c.is_empty())
+                        .map(|_| text(&m["content"]))
+                        .into_iter()
+                        .collect();
+                    blocks.extend((m["tool_calls"].as_array().into_iter().flatten()).map(|c| {
+                        json!({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                               "input": arguments(c)})
+                    }));
+                    ("assistant", blocks)
+                }
+                Some("tool") => (
+                    "user",
+                    vec![
+                        json!({"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                "content": m["content"]}),
+                    ],
+                ),
+                _ => ("user", vec![text(&m["content"])]),
+            };
+            // Consecutive results of one turn's calls share a user message.
+            match messages.last_mut() {
+                Some(prev) if role == "user" && prev["role"] == "user" => {
+                    if let Some(b) = prev["content"].as_array_mut() {
+                        b.extend(blocks);
+                    }
+                }
+                _ => messages.push(json!({"role": role, "content": blocks})),
+            }
+        }
+        let last_block = messages
+            .last_mut()
+            .and_then(|m| m["content"].as_array_mut())
+            .and_then(|b| b.last_mut());
+        if let Some(b) = last_block {
+            b["cache_control"] = ephemeral;
+        }
+        json!({
+            "model": model,
+            "max_tokens": max_tokens,
+            "system": system,
+            "tools": tools,
+            "messages": messages,
+            "metadata": {"user_id": self.key},
+            "stream": true,
+        })
+    }
+
+    /// What the server renders for turn `t` of a Messages session, as a
+    /// chat body (for the cache-hit bound): the chat body vLLM converts
+    /// the Messages body into. It is the chat workload's but for the tool
+    /// calls' arguments, re-serialized by Python's `json.dumps` from the
+    /// `tool_use` input.
+    pub fn messages_prompt(&self, t: usize, model: &str) -> Value {
+        let messages = self
+            .history(t)
+            .map(|m| {
+                let mut m = m.clone();
+                if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                    for c in calls {
+                        let args = py_json(&arguments(c));
+                        c["function"]["arguments"] = json!(args);
+                    }
+                }
+                m
+            })
+            .collect();
+        let mut b = chat(model, messages, 0);
+        b["tools"] = (*self.tools).clone();
+        b
+    }
+
+    /// The chat messages of turn `t`: the head, then each step so far.
+    fn history(&self, t: usize) -> impl Iterator<Item = &Value> {
+        self.head
+            .iter()
+            .chain(self.steps.iter().take(t + 1).flatten())
+    }
+
     fn instructions(&self) -> &Value {
         self.head.first().map_or(&Value::Null, |m| &m["content"])
     }
@@ -149,6 +266,73 @@ impl Session {
             .filter(|m| m["role"] == "tool")
             .map(|m| (&m["tool_call_id"], &m["content"]))
     }
+}
+
+/// A chat tool call's arguments as the object they encode.
+fn arguments(call: &Value) -> Value {
+    call["function"]["arguments"]
+        .as_str()
+        .and_then(|a| serde_json::from_str(a).ok())
+        .unwrap_or_else(|| json!({}))
+}
+
+/// `json.dumps(v)` with Python's defaults, as vLLM serializes a
+/// `tool_use` block's input into the chat request's arguments: `, ` and
+/// `: ` separators, every character outside printable ASCII escaped.
+pub fn py_json(v: &Value) -> String {
+    fn string(s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                ' '..='~' => out.push(c),
+                _ => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+            }
+        }
+        out.push('"');
+    }
+    fn write(v: &Value, out: &mut String) {
+        match v {
+            Value::String(s) => string(s, out),
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write(x, out);
+                }
+                out.push(']');
+            }
+            Value::Object(o) => {
+                out.push('{');
+                for (i, (k, x)) in o.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    string(k, out);
+                    out.push_str(": ");
+                    write(x, out);
+                }
+                out.push('}');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut out = String::new();
+    write(v, &mut out);
+    out
 }
 
 /// Chat tool definitions in the Responses API's flat form
@@ -504,7 +688,7 @@ pub fn replay(
             Some("/v1/completions") => "/v1/completions",
             Some(other) => {
                 return Err(format!(
-                    "{}:{}: unsupported path {other}",
+                    "{}:{}: unsupported path {other} (replay sends /v1/completions and /v1/chat/completions)",
                     file.display(),
                     n + 1
                 ))
@@ -806,6 +990,158 @@ mod tests {
             s.body(2, "m", 8)["messages"][5]["content"]
         );
         assert_eq!(p2["tools"], first["tools"]);
+    }
+
+    /// Every `cache_control` in a Messages body: where it is.
+    fn breakpoints(v: &Value, at: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                if o.contains_key("cache_control") {
+                    assert_eq!(o["cache_control"], json!({"type": "ephemeral"}));
+                    out.push(at.to_string());
+                }
+                for (k, x) in o {
+                    breakpoints(x, &format!("{at}.{k}"), out);
+                }
+            }
+            Value::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    breakpoints(x, &format!("{at}.{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn without_breakpoints(mut v: Value) -> Value {
+        fn strip(v: &mut Value) {
+            match v {
+                Value::Object(o) => {
+                    o.remove("cache_control");
+                    o.values_mut().for_each(strip);
+                }
+                Value::Array(a) => a.iter_mut().for_each(strip),
+                _ => {}
+            }
+        }
+        strip(&mut v);
+        v
+    }
+
+    #[test]
+    fn messages_sessions_resend_the_history_as_claude_code_does() {
+        let s = &sessions(agentic(&ag(2), 4))[0];
+        for t in 0..s.turns() {
+            let chat = s.body(t, "m", 8);
+            let b = s.messages_body(t, "m", 8);
+            assert_eq!(
+                (&b["model"], &b["max_tokens"], &b["stream"]),
+                (&json!("m"), &json!(8), &json!(true))
+            );
+            assert_eq!(b["metadata"]["user_id"], json!(s.key));
+            // The system prompt in two text blocks that join to the chat one.
+            let system = b["system"].as_array().unwrap();
+            assert_eq!(system.len(), 2);
+            let joined: String = system.iter().map(|x| x["text"].as_str().unwrap()).collect();
+            assert_eq!(joined, content(&chat["messages"][0]));
+            // Tools in Anthropic's form.
+            let (tools, chat_tools) = (
+                b["tools"].as_array().unwrap(),
+                chat["tools"].as_array().unwrap(),
+            );
+            assert_eq!(tools.len(), chat_tools.len());
+            for (a, c) in tools.iter().zip(chat_tools) {
+                let f = &c["function"];
+                assert_eq!(
+                    (&a["name"], &a["description"], &a["input_schema"]),
+                    (&f["name"], &f["description"], &f["parameters"])
+                );
+            }
+            // The task, then per earlier turn the call and its result.
+            let msgs = b["messages"].as_array().unwrap();
+            assert_eq!(msgs.len(), 1 + 2 * t);
+            assert_eq!(
+                without_breakpoints(msgs[0].clone()),
+                json!({"role": "user", "content": [{"type": "text", "text": chat["messages"][1]["content"]}]})
+            );
+            for k in 1..=t {
+                let (call, result) = (&msgs[2 * k - 1], &msgs[2 * k]);
+                let (chat_call, chat_result) =
+                    (&chat["messages"][2 * k], &chat["messages"][2 * k + 1]);
+                let c = &chat_call["tool_calls"][0];
+                let args: Value =
+                    serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+                assert_eq!(
+                    without_breakpoints(call.clone()),
+                    json!({"role": "assistant", "content": [
+                    {"type": "text", "text": chat_call["content"]},
+                    {"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": args}]})
+                );
+                assert_eq!(
+                    without_breakpoints(result.clone()),
+                    json!({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": chat_result["tool_call_id"], "content": chat_result["content"]}]})
+                );
+            }
+            // Breakpoints: the system's last block, the last tool, the
+            // last block of the last message; nowhere else.
+            let mut at = Vec::new();
+            breakpoints(&b, "", &mut at);
+            let last = msgs.len() - 1;
+            let blocks = msgs[last]["content"].as_array().unwrap().len() - 1;
+            assert_eq!(
+                at,
+                [
+                    format!(".messages.{last}.content.{blocks}"),
+                    ".system.1".to_string(),
+                    format!(".tools.{}", tools.len() - 1),
+                ]
+            );
+            // The next turn extends this one, the breakpoint moved on.
+            if t + 1 < s.turns() {
+                let next = without_breakpoints(s.messages_body(t + 1, "m", 8));
+                let this = without_breakpoints(b.clone());
+                assert_eq!(
+                    next["messages"].as_array().unwrap()[..msgs.len()],
+                    this["messages"].as_array().unwrap()[..]
+                );
+                assert_eq!(
+                    (&next["system"], &next["tools"]),
+                    (&this["system"], &this["tools"])
+                );
+            }
+            // What the server renders: the chat body, the arguments as
+            // Python's json.dumps writes the input.
+            let prompt = s.messages_prompt(t, "m");
+            assert_eq!(prompt["tools"], chat["tools"]);
+            let (pm, cm) = (
+                prompt["messages"].as_array().unwrap(),
+                chat["messages"].as_array().unwrap(),
+            );
+            assert_eq!(pm.len(), cm.len());
+            for (p, c) in pm.iter().zip(cm) {
+                let mut c = c.clone();
+                if let Some(call) = c.get_mut("tool_calls").map(|x| &mut x[0]) {
+                    let args: Value =
+                        serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+                            .unwrap();
+                    let dumped = py_json(&args);
+                    assert!(dumped.contains("\": "), "{dumped}");
+                    call["function"]["arguments"] = json!(dumped);
+                }
+                assert_eq!(p, &c);
+            }
+        }
+    }
+
+    #[test]
+    fn python_json_dumps() {
+        let v = json!({"a": [1, 2.5, true, null], "b": "x\"y\\\n\t\u{e9}\u{1F600}\u{7f}\u{1}", "c": {}});
+        // python3 -c 'import json; print(json.dumps(...))'
+        assert_eq!(
+            py_json(&v),
+            r#"{"a": [1, 2.5, true, null], "b": "x\"y\\\n\t\u00e9\ud83d\ude00\u007f\u0001", "c": {}}"#
+        );
     }
 
     #[test]
