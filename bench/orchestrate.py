@@ -340,7 +340,7 @@ def envoy_config(kind: str, pool: list[str], port: int, admin: int, instances: i
 
 
 # Workloads of conversations / sessions: TTFT over turns 2+ is reported too.
-SESSION_WORKLOADS = ("multi-turn", "agentic", "agentic-responses")
+SESSION_WORKLOADS = ("multi-turn", "agentic", "agentic-responses", "agentic-messages")
 
 
 def turns_ttft(doc: dict, time_scale: float) -> tuple[list[float], list[float]]:
@@ -658,7 +658,41 @@ def profiles(a) -> dict[str, dict]:
         "plugin": {"inference_paths": ["/v1/completions", "/v1/chat/completions", "/v1/responses"],
                    "affinity": {"key": AFFINITY_KEY, "response_ids": True}},
     }
+    # The agentic sessions over the Anthropic Messages API, as Claude Code
+    # sends them to a self-hosted vLLM (`/v1/messages`): the whole history
+    # every turn, tool calls as `tool_use` blocks, results as `tool_result`
+    # blocks, `cache_control` breakpoints moving to the newest block. The
+    # replicas render each as the chat request vLLM converts it to, so the
+    # sessions cost what `agentic`'s do. prefix-router parses the path; a
+    # peer router that doesn't serve it is reported as such (`probe`).
+    out["agentic-messages"] = {
+        **out["agentic"],
+        "load": [*out["agentic"]["load"], "--api", "messages"],
+        "plugin": {"inference_paths": ["/v1/completions", "/v1/chat/completions", "/v1/messages"]},
+        "probe": ("/v1/messages", {"model": "sim-model", "max_tokens": 1, "stream": True,
+                                   "messages": [{"role": "user", "content": [{"type": "text", "text": "ping"}]}]}),
+    }
     return out
+
+
+def probe(target: str, path: str, body: dict, timeout: float = 30.0) -> str | None:
+    """Why a router can't serve the workload's API, or None: one small
+    streamed request on `path` must answer 2xx with a complete event
+    stream (a router without the route answers 404 or 405, or passes a
+    body the replicas refuse)."""
+    req = urllib.request.Request(f"http://{target}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip()[:200]
+        return f"does not serve {path}: HTTP {e.code}" + (f" {detail}" if detail else "")
+    except OSError as e:
+        return f"does not serve {path}: {e}"
+    if "message_stop" not in text and "[DONE]" not in text:
+        return f"does not serve {path}: the answer is not a complete event stream: {text[:200]!r}"
+    return None
 
 
 def run_loadgen(targets: list[str], prof: dict, sim: Sim, out: Path, a) -> dict:
@@ -702,6 +736,13 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
     log(f"[{workload}] {label}: starting")
     try:
         with router:
+            # A peer router may not have the workload's API at all: say so
+            # instead of measuring its errors. (Envoy forwards any path.)
+            if prof.get("probe") and not router.is_envoy:
+                why = probe(router.targets[0], *prof["probe"])
+                if why:
+                    log(f"[{workload}] {label}: skipped: {why}")
+                    return {**row, "skipped": why}
             sim.reset()
             before = sim.metrics()
             cpu0 = {pid: cpu_seconds(pid) for pid in router.pids()}
@@ -774,6 +815,11 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
 
 # What `--workload all` runs, in order.
 WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic", "agentic-responses")
+# Run only when named, not by `--workload all`: every workload of `all`
+# has its table in the committed example report (bench/results/example,
+# where README's tables come from), and this one's needs every router run
+# there first.
+NAMED_WORKLOADS = ("agentic-messages",)
 
 
 def module_info(path: Path) -> dict:
@@ -791,7 +837,8 @@ def module_info(path: Path) -> dict:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="shared-prefix",
-                    help=f"{' | '.join(WORKLOADS)} | replay | all (comma-separated list allowed)")
+                    help=f"{' | '.join((*WORKLOADS, *NAMED_WORKLOADS))} | replay | all (comma-separated "
+                         f"list allowed; all: {', '.join(WORKLOADS)})")
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS),
                     help=f"comma-separated, from: {', '.join(ALL_ROUTERS)}")
     ap.add_argument("--scale", type=float, default=0.1,
@@ -911,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = list(WORKLOADS) if a.workload == "all" else [w.strip() for w in a.workload.split(",")]
     routers = [r.strip() for r in a.routers.split(",") if r.strip()]
     for w in workloads:
-        if w not in (*WORKLOADS, "replay"):
+        if w not in (*WORKLOADS, *NAMED_WORKLOADS, "replay"):
             ap.error(f"unknown workload {w}")
     if "replay" in workloads and not (a.trace and a.trace.exists()):
         ap.error("--workload replay needs --trace FILE (JSONL)")
@@ -943,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
                  prof.get("max_model_len"), a.replica_port, a.kv_fractions) as sim:
             for r, n in run_plan(routers, a.envoy_instances):
                 rows.append(one_run(w, r, sim, prof, a, outdir, n))
-        setup = {k: v for k, v in prof.items() if k != "load"}
+        setup = {k: v for k, v in prof.items() if k not in ("load", "probe")}
         if a.kv_fractions:
             setup["kv_fractions"] = a.kv_fractions
         results["workloads"][w] = {"setup": setup,

@@ -19,6 +19,8 @@ WORKLOAD_TITLES = {
     "agentic": "agentic (agent sessions: shared tools, growing tool-call history)",
     "agentic-responses": "agentic-responses (the agentic sessions over the Responses API: each turn "
                          "continues the stored response before it)",
+    "agentic-messages": "agentic-messages (the agentic sessions over the Anthropic Messages API, as Claude Code "
+                        "sends them: the whole history every turn, the cache breakpoint on the newest block)",
 }
 
 
