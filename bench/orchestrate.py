@@ -814,12 +814,8 @@ def one_run(workload: str, kind: str, sim: Sim, prof: dict, a, outdir: Path, ins
 
 
 # What `--workload all` runs, in order.
-WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic", "agentic-responses")
-# Run only when named, not by `--workload all`: every workload of `all`
-# has its table in the committed example report (bench/results/example,
-# where README's tables come from), and this one's needs every router run
-# there first.
-NAMED_WORKLOADS = ("agentic-messages",)
+WORKLOADS = ("shared-prefix", "multi-turn", "unique", "long-preamble", "agentic", "agentic-responses",
+             "agentic-messages")
 
 
 def module_info(path: Path) -> dict:
@@ -837,8 +833,7 @@ def module_info(path: Path) -> dict:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="shared-prefix",
-                    help=f"{' | '.join((*WORKLOADS, *NAMED_WORKLOADS))} | replay | all (comma-separated "
-                         f"list allowed; all: {', '.join(WORKLOADS)})")
+                    help=f"{' | '.join(WORKLOADS)} | replay | all (comma-separated list allowed)")
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS),
                     help=f"comma-separated, from: {', '.join(ALL_ROUTERS)}")
     ap.add_argument("--scale", type=float, default=0.1,
@@ -958,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = list(WORKLOADS) if a.workload == "all" else [w.strip() for w in a.workload.split(",")]
     routers = [r.strip() for r in a.routers.split(",") if r.strip()]
     for w in workloads:
-        if w not in (*WORKLOADS, *NAMED_WORKLOADS, "replay"):
+        if w not in (*WORKLOADS, "replay"):
             ap.error(f"unknown workload {w}")
     if "replay" in workloads and not (a.trace and a.trace.exists()):
         ap.error("--workload replay needs --trace FILE (JSONL)")

@@ -90,7 +90,7 @@ def test_the_profile_is_agentics_sessions_over_the_messages_api():
     assert "/v1/messages" in messages["plugin"]["inference_paths"]
     assert {k: messages[k] for k in ("replicas", "preset", "time_scale", "kv_tokens", "max_model_len")} == \
         {k: agentic[k] for k in ("replicas", "preset", "time_scale", "kv_tokens", "max_model_len")}
-    assert "agentic-messages" in orchestrate.NAMED_WORKLOADS and "agentic-messages" in orchestrate.SESSION_WORKLOADS
+    assert "agentic-messages" in orchestrate.WORKLOADS and "agentic-messages" in orchestrate.SESSION_WORKLOADS
     assert orchestrate.parser().parse_args(["--workload", "agentic-messages"]).workload == "agentic-messages"
     # A skipped peer's reason is in its row of the report.
     results = {"workloads": {"agentic-messages": {"setup": {}, "runs": [
