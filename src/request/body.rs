@@ -147,7 +147,7 @@ pub(super) fn read(body: &[u8]) -> Result<Body<'_>, JsonError> {
             // Anthropic's `system`: a string or text blocks. Another type
             // is no system prompt of that API's, and no reason to give up
             // routing an OpenAI body that happens to carry it.
-            b"system" => b.system = lenient_content(r)?,
+            b"system" => b.system = lenient_content(r)?.map(without_attribution),
             b"input" => b.input = nullable(r, input)?,
             b"previous_response_id" => b.previous_response_id = lenient_name(r)?,
             b"store" => b.store = stores(r)?,
@@ -266,6 +266,25 @@ fn lenient_content<'a>(r: &mut Reader<'a>) -> Result<Option<Content<'a>>, JsonEr
     match r.peek() {
         Some(b'"' | b'[') => content(r).map(Some),
         _ => r.skip().map(|_| None),
+    }
+}
+
+/// The start of Claude Code's attribution block (>= 2.1.29, the first of
+/// its `system` blocks: `x-anthropic-billing-header: cc_version=...;
+/// cc_entrypoint=cli; cch=...;`), whose `cch` changes every request.
+const ATTRIBUTION: &[u8] = b"x-anthropic-billing-header";
+
+/// `system` without Claude Code's attribution block: vLLM drops a text
+/// block that starts so before the chat template (as replica-sim does),
+/// so the server's prompt is the same every turn. Rendered, it made every
+/// turn of every session a new prompt right after the tools.
+fn without_attribution(c: Content<'_>) -> Content<'_> {
+    match c {
+        Content::Parts(mut parts) => {
+            parts.retain(|p| !matches!(p, Part::Text(t) if t.starts_with(ATTRIBUTION)));
+            Content::Parts(parts)
+        }
+        text => text,
     }
 }
 

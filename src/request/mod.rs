@@ -701,6 +701,42 @@ mod tests {
         );
     }
 
+    /// Claude Code (>= 2.1.29) opens `system` with an attribution block
+    /// whose `cch` changes every request; vLLM drops it before the chat
+    /// template, so the server's prompt is the same every turn.
+    #[test]
+    fn claude_codes_per_request_attribution_block_is_left_out() {
+        let system = |cch: &str| {
+            format!(
+                r#"[{{"type":"text","text":"x-anthropic-billing-header: cc_version=2.1.42.834; cc_entrypoint=cli; cch={cch};"}},
+                {{"type":"text","text":"You are Claude Code.","cache_control":{{"type":"ephemeral"}}}},
+                {{"type":"text","text":"Working directory: /src/a"}}]"#
+            )
+        };
+        let task = r#"[{"role":"user","content":"fix the bug"}]"#;
+        let turn = messages(&system("65abc"), task);
+        // Review finding: the block was rendered, so every turn of every
+        // session diverged from the one before right after the tools.
+        assert_eq!(turn, messages(&system("0aaa9"), task));
+        assert_eq!(
+            turn,
+            messages(
+                r#"[{"type":"text","text":"You are Claude Code."},{"type":"text","text":"Working directory: /src/a"}]"#,
+                task
+            )
+        );
+        // Only a system block: a user who pastes such a line sent it.
+        let pasted = |cch: &str| {
+            messages(
+                r#""s""#,
+                &format!(
+                    r#"[{{"role":"user","content":[{{"type":"text","text":"x-anthropic-billing-header: cch={cch};"}}]}}]"#
+                ),
+            )
+        };
+        assert_ne!(pasted("1"), pasted("2"));
+    }
+
     #[test]
     fn anthropic_tool_blocks_render_their_name_input_and_result() {
         let user = |blocks: &str| {

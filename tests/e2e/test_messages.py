@@ -5,6 +5,7 @@ replica's cache holds the whole previous turn though Claude Code moves its
 cache breakpoint to the newest message every turn."""
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 
@@ -12,6 +13,9 @@ from harness import filter_envoy, request
 from test_lora import SIM, replica_sim
 
 CC = {"type": "ephemeral"}
+
+# Claude Code's attribution block's `cch`: another value every request.
+CCH = itertools.count(0x1A2B3)
 
 # The sims' `fast` preset: 16-token blocks.
 BLOCK_TOKENS = 16
@@ -31,8 +35,9 @@ def tools() -> list[dict]:
 
 
 def body(session: int, history: list[dict], stream: bool) -> dict:
-    """One turn as Claude Code sends it: tools, system blocks, the whole
-    history, and a breakpoint on the newest message's last block only."""
+    """One turn as Claude Code sends it: tools, system blocks (the first
+    its per-request attribution, which vLLM drops), the whole history, and
+    a breakpoint on the newest message's last block only."""
     messages = json.loads(json.dumps(history))
     messages[-1]["content"][-1]["cache_control"] = CC
     return {
@@ -41,6 +46,7 @@ def body(session: int, history: list[dict], stream: bool) -> dict:
         "stream": stream,
         "tools": tools(),
         "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.42.834; cc_entrypoint=cli; cch={next(CCH):05x};"},
             {"type": "text", "text": "You are a coding agent. Use the tools; never guess."},
             {"type": "text", "text": f"Working directory: /src/project-{session}", "cache_control": CC},
         ],
