@@ -157,6 +157,13 @@ impl Session {
         if let Some(last) = system.last_mut() {
             last["cache_control"] = ephemeral.clone();
         }
+        // Claude Code (>= 2.1.29) opens `system` with an attribution block
+        // whose `cch` differs every request; vLLM drops it before the
+        // template, a router that hashes it sees a new prompt every turn.
+        system.insert(
+            0,
+            json!({"type": "text", "text": attribution(&self.key, t)}),
+        );
         let mut tools: Vec<Value> = (self.tools.as_array().into_iter().flatten())
             .map(|t| {
                 let f = &t["function"];
@@ -333,6 +340,19 @@ pub fn py_json(v: &Value) -> String {
     let mut out = String::new();
     write(v, &mut out);
     out
+}
+
+/// Claude Code's attribution block for turn `t` of session `key`: its
+/// version and entry point, then `cch`, a 5-hex-digit value that is
+/// another one every request (FNV-1a of both, so a run is reproducible).
+fn attribution(key: &str, t: usize) -> String {
+    let cch = (key.bytes().chain(t.to_le_bytes())).fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!(
+        "x-anthropic-billing-header: cc_version=2.1.42.834; cc_entrypoint=cli; cch={:05x};",
+        cch & 0xf_ffff
+    )
 }
 
 /// Chat tool definitions in the Responses API's flat form
@@ -1039,10 +1059,23 @@ mod tests {
                 (&json!("m"), &json!(8), &json!(true))
             );
             assert_eq!(b["metadata"]["user_id"], json!(s.key));
-            // The system prompt in two text blocks that join to the chat one.
+            // Claude Code's attribution block, another `cch` every turn,
+            // then the system prompt in two text blocks that join to the
+            // chat one.
             let system = b["system"].as_array().unwrap();
-            assert_eq!(system.len(), 2);
-            let joined: String = system.iter().map(|x| x["text"].as_str().unwrap()).collect();
+            assert_eq!(system.len(), 3);
+            let cch = system[0]["text"].as_str().unwrap();
+            assert!(
+                cch.starts_with("x-anthropic-billing-header: cc_version="),
+                "{cch}"
+            );
+            if t + 1 < s.turns() {
+                assert_ne!(s.messages_body(t + 1, "m", 8)["system"][0], system[0]);
+            }
+            let joined: String = system[1..]
+                .iter()
+                .map(|x| x["text"].as_str().unwrap())
+                .collect();
             assert_eq!(joined, content(&chat["messages"][0]));
             // Tools in Anthropic's form.
             let (tools, chat_tools) = (
@@ -1093,7 +1126,7 @@ mod tests {
                 at,
                 [
                     format!(".messages.{last}.content.{blocks}"),
-                    ".system.1".to_string(),
+                    ".system.2".to_string(),
                     format!(".tools.{}", tools.len() - 1),
                 ]
             );
@@ -1106,8 +1139,8 @@ mod tests {
                     this["messages"].as_array().unwrap()[..]
                 );
                 assert_eq!(
-                    (&next["system"], &next["tools"]),
-                    (&this["system"], &this["tools"])
+                    (&next["system"].as_array().unwrap()[1..], &next["tools"]),
+                    (&this["system"].as_array().unwrap()[1..], &this["tools"])
                 );
             }
             // What the server renders: the chat body, the arguments as
