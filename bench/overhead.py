@@ -26,6 +26,11 @@ cookie and sends it back as a client's jar does.
 `/v1/responses` (every prefix-router reads that path); `--responses` adds
 `prefix-router-named`: the same module naming each stored response after
 its replica (`affinity.response_ids`: the body copied and rewritten).
+
+A router that served none of a cell's requests (a path it doesn't route,
+a model it doesn't know) gets a row saying what it answered instead of
+latency. The backend lists model `m`, the one every body names (smg
+routes only to a worker that lists the request's model).
 """
 from __future__ import annotations
 
@@ -129,9 +134,13 @@ def proxy(kind: str, backend: str):
         yield router.targets[0], pid
 
 
+# The path each body shape is posted to.
+PATHS = {"chat": "/v1/chat/completions", "agent": "/v1/chat/completions", "responses": "/v1/responses"}
+
+
 def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat",
              cookie: str = "") -> dict:
-    path = "/v1/responses" if shape == "responses" else "/v1/chat/completions"
+    path = PATHS[shape]
     out = subprocess.run(
         [str(TOOL), "load", "--target", f"http://{target}{path}",
          "--concurrency", str(concurrency), "--body-bytes", str(size), "--seconds", str(seconds),
@@ -213,12 +222,13 @@ def main(argv=None) -> int:
                     )
                     reps[kind].append(r)
             for kind, rs in reps.items():
-                med = {k: statistics.median(x[k] for x in rs)
-                       for k in ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")}
-                med.update(router=kind, size=size, shape=shape, concurrency=conc,
-                           errors=sum(x["errors"] for x in rs), reps=len(rs))
+                med = summary(rs)
+                med.update(router=kind, size=size, shape=shape, concurrency=conc)
                 results.append(med)
-                print(f"{kind:14} {shape:5} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
+                if med["unserved"]:
+                    print(f"{kind:14} {shape:9} {size:>7} B  c={conc:<3} {med['unserved']}", file=sys.stderr)
+                    continue
+                print(f"{kind:14} {shape:9} {size:>7} B  c={conc:<3} p50 {med['p50_us']:>7.0f} us  "
                       f"p99 {med['p99_us']:>7.0f} us  {med['rps']:>7.0f} req/s  "
                       f"cpu {med['proxy_cpu_us_per_req']:>6.0f} us/req", file=sys.stderr)
     report = table(results)
@@ -228,6 +238,25 @@ def main(argv=None) -> int:
         (a.out / "overhead.json").write_text(json.dumps(results, indent=1))
         (a.out / "overhead.md").write_text(report)
     return 0
+
+
+METRICS = ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")
+
+
+def summary(rs: list[dict]) -> dict:
+    """One cell from its reps: the medians, and the errors. A router that
+    answered none of a rep's requests (one that doesn't serve the shape's
+    path: smg or vllm-router without the route) has no latency to show:
+    its metrics are None and `unserved` says what it answered."""
+    out = {"errors": sum(x["errors"] for x in rs), "reps": len(rs), "unserved": None}
+    failed = [x for x in rs if x["requests"] == 0]
+    if failed:
+        why = next((x.get("first_error") for x in failed if x.get("first_error")), None) or "no answer"
+        out["unserved"] = f"no request served in {len(failed)} of {len(rs)} reps: {why}"
+        out.update(dict.fromkeys(METRICS))
+        return out
+    out.update({k: statistics.median(x[k] for x in rs) for k in METRICS})
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -241,9 +270,19 @@ def table(results: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        if r.get("unserved"):
+            # Errors are not latency: the row says what the router answered.
+            why = r["unserved"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r['router']} | {r['size'] // 1024} KiB {r['shape']} | {r['concurrency']} "
+                         f"| {PATHS[r['shape']]} not served: {why} | | | | | | {r['errors']} |")
+            continue
         base = by.get(key(r, "round-robin"))
+        if base and base.get("unserved"):
+            base = None
         added = "" if not base or r["router"] in ("direct", "round-robin") else f"{r['p50_us'] - base['p50_us']:+.0f}"
         floor = by.get(key(r, "body-floor"))
+        if floor and floor.get("unserved"):
+            floor = None
         over = f"{r['p50_us'] - floor['p50_us']:+.0f}" if floor and r["router"] in MODULES and r is not floor else ""
         cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
         lines.append(

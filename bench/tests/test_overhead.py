@@ -1,7 +1,8 @@
 """The overhead benchmark's parts: the body-floor reference module does the
 routing chores it claims to (so its row is a real floor, not a filter that
-crashed and was bypassed), and a tiny run reports every router it was
-asked for, with the floor column.
+crashed and was bypassed), a tiny run reports every router it was
+asked for, with the floor column, and a router that serves none of a
+cell's requests gets a row saying so.
 
 Needs scripts/build (the modules, the `overhead` tool) and Envoy. ~15 s.
 """
@@ -68,3 +69,27 @@ def test_a_small_run_reports_each_router_and_the_floor_column(tmp_path):
     # Added vs Envoy and over the floor are both filled in for the filter.
     for pr in prs:
         assert pr.split("|")[6].strip().startswith(("+", "-")) and pr.split("|")[7].strip().startswith(("+", "-"))
+
+
+def test_a_router_that_serves_none_of_a_cell_gets_a_row_saying_so_not_a_latency():
+    _need(overhead.TOOL)
+    # The load tool says what a router answered when it refused.
+    with harness.Backend() as be:
+        be.down = True
+        r = overhead.run_load(be.addr, 1, 16384, 0.3, "chat")
+    assert r["requests"] == 0 and r["errors"] > 0
+    assert r["first_error"] == "HTTP 503: down"
+    served = {"requests": 100, "errors": 0, "rps": 200.0, "p50_us": 400, "p90_us": 450, "p99_us": 600,
+              "proxy_cpu_us_per_req": 300.0}
+    cells = [
+        {**overhead.summary([served, served]), "router": "round-robin"},
+        {**overhead.summary([served, r]), "router": "sglang-router"},
+    ]
+    for c in cells:
+        c.update(shape="chat", size=262144, concurrency=1)
+    assert cells[0]["unserved"] is None and cells[0]["p50_us"] == 400
+    assert cells[1]["p50_us"] is None and "HTTP 503: down" in cells[1]["unserved"]
+    (row,) = [line for line in overhead.table(cells).splitlines() if line.startswith("| sglang-router |")]
+    cols = [c.strip() for c in row.split("|")[1:-1]]
+    assert cols[2] == "1" and cols[3].startswith("/v1/chat/completions not served: ") and "HTTP 503: down" in cols[3]
+    assert cols[4:9] == [""] * 5 and cols[9] == str(r["errors"])

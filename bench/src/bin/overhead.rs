@@ -1,14 +1,15 @@
 //! Proxy overhead micro-benchmark tools (driven by `bench/overhead.py`):
 //!
 //! - `overhead echo --port P`: an instant OpenAI-ish backend (answers every
-//!   request with a tiny completion, no model, no delay), so what is measured
-//!   is the proxy in between;
+//!   request with a tiny completion, and `/v1/models` with model `m`; no
+//!   model, no delay), so what is measured is the proxy in between;
 //! - `overhead load --target URL --concurrency C --body-bytes N --seconds S
 //!   [--shape chat|agent|responses]`: closed loop, keep-alive, fixed-size
 //!   bodies over 64 distinct documents (`chat`: one plain-text document;
 //!   `agent`: an agent's turn, tools + tool calls + JSON tool results full
 //!   of escapes; `responses`: the chat body as a Responses API request, for
-//!   `/v1/responses`); prints one JSON line: requests, errors, req/s,
+//!   `/v1/responses`); prints one JSON line: requests, errors (and the
+//!   first: status and the start of the answer, or what failed), req/s,
 //!   latency percentiles in microseconds.
 
 use std::convert::Infallible;
@@ -78,6 +79,18 @@ enum Shape {
 }
 
 const ANSWER: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+/// The model list: model `m`, the one every body names (smg 1.13 routes
+/// a request only to a worker that lists its model).
+const MODELS: &str =
+    r#"{"object":"list","data":[{"id":"m","object":"model","created":0,"owned_by":"overhead"}]}"#;
+
+/// What the echo backend answers on `path`.
+fn answer(path: &str) -> &'static str {
+    match path {
+        "/v1/models" => MODELS,
+        _ => ANSWER,
+    }
+}
 
 async fn echo(port: u16) -> Result<(), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -90,12 +103,13 @@ async fn echo(port: u16) -> Result<(), String> {
         let _ = stream.set_nodelay(true);
         tokio::spawn(async move {
             let svc = service_fn(|req: Request<hyper::body::Incoming>| async move {
+                let answer = answer(req.uri().path());
                 // Read the whole body, as a model server would.
                 let _ = req.into_body().collect().await;
                 Ok::<_, Infallible>(
                     Response::builder()
                         .header("content-type", "application/json")
-                        .body(Full::new(Bytes::from_static(ANSWER.as_bytes())))
+                        .body(Full::new(Bytes::from_static(answer.as_bytes())))
                         .unwrap_or_default(),
                 )
             });
@@ -220,24 +234,34 @@ async fn client(
     stop: Arc<AtomicBool>,
     reconnect_every: usize,
     cookie: Arc<String>,
-) -> (Vec<u32>, u64) {
+) -> (Vec<u32>, u64, Option<String>) {
     let mut jar: Option<String> = None;
     let mut lat = Vec::new();
     let mut errors = 0u64;
+    // What went wrong first, to tell a router that doesn't serve a path
+    // from a slow one.
+    let mut first: Option<String> = None;
     let mut i = seed;
     while !stop.load(Ordering::Relaxed) {
-        let Ok(stream) = TcpStream::connect(&t.addr).await else {
-            errors += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
+        let stream = match TcpStream::connect(&t.addr).await {
+            Ok(s) => s,
+            Err(e) => {
+                errors += 1;
+                first.get_or_insert_with(|| format!("connect: {e}"));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
         };
         let _ = stream.set_nodelay(true);
-        let Ok((mut send, conn)) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
-        else {
-            errors += 1;
-            continue;
-        };
+        let (mut send, conn) =
+            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+                Ok(x) => x,
+                Err(e) => {
+                    errors += 1;
+                    first.get_or_insert_with(|| format!("handshake: {e}"));
+                    continue;
+                }
+            };
         tokio::spawn(conn);
         let mut on_conn = 0;
         while !stop.load(Ordering::Relaxed) && (reconnect_every == 0 || on_conn < reconnect_every) {
@@ -258,25 +282,32 @@ async fn client(
             let t0 = Instant::now();
             match send.send_request(req).await {
                 Ok(resp) => {
-                    let ok = resp.status().is_success();
+                    let status = resp.status();
                     if !cookie.is_empty() {
                         jar = set_cookie(&resp, &cookie).or(jar);
                     }
-                    let _ = resp.into_body().collect().await;
-                    if ok {
+                    let answer = resp.into_body().collect().await;
+                    if status.is_success() {
                         lat.push(t0.elapsed().as_micros().min(u32::MAX as u128) as u32);
                     } else {
                         errors += 1;
+                        first.get_or_insert_with(|| {
+                            let text = answer.map(|a| a.to_bytes()).unwrap_or_default();
+                            let text: String =
+                                String::from_utf8_lossy(&text).chars().take(200).collect();
+                            format!("HTTP {}: {}", status.as_u16(), text.trim())
+                        });
                     }
                 }
-                Err(_) => {
+                Err(e) => {
                     errors += 1;
+                    first.get_or_insert_with(|| format!("request: {e}"));
                     break;
                 }
             }
         }
     }
-    (lat, errors)
+    (lat, errors, first)
 }
 
 fn pct(sorted: &[u32], p: f64) -> u32 {
@@ -317,10 +348,12 @@ async fn load(
     stop.store(true, Ordering::Relaxed);
     let mut lat = Vec::new();
     let mut errors = 0;
+    let mut first_error = None;
     for task in tasks {
-        if let Ok((l, e)) = task.await {
+        if let Ok((l, e, first)) = task.await {
             lat.extend(l);
             errors += e;
+            first_error = first_error.or(first);
         }
     }
     let wall = t0.elapsed().as_secs_f64();
@@ -334,6 +367,7 @@ async fn load(
         "p90_us": pct(&lat, 0.90),
         "p99_us": pct(&lat, 0.99),
         "body_bytes": b.first().map(|x| x.len()).unwrap_or(0),
+        "first_error": first_error,
     });
     println!("{out}");
     Ok(())
@@ -382,6 +416,27 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("overhead: {e}");
             std::process::ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    #[test]
+    fn the_echo_backend_lists_model_m_the_one_every_body_names() {
+        // smg routes only to a worker listing the body's model: without
+        // it, every request to sglang-router was a 404.
+        let models: Value = serde_json::from_str(answer("/v1/models")).unwrap();
+        assert_eq!(models["data"][0]["id"], "m");
+        for shape in [Shape::Chat, Shape::Agent, Shape::Responses] {
+            let b: Value = serde_json::from_slice(&bodies(16384, shape)[0]).unwrap();
+            assert_eq!(b["model"], "m");
+        }
+        for path in ["/v1/chat/completions", "/v1/responses", "/v1/completions"] {
+            assert_eq!(answer(path), ANSWER);
         }
     }
 }
