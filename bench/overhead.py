@@ -15,7 +15,7 @@ run at once and their reps take turns, so a slow minute lands on all of
 them; each cell is the median of `--reps` runs; proxy CPU comes from
 /proc/<pid>/stat (user + system, all threads) over the run.
 
-    scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144] [--shapes chat,agent]
+    scripts/bench-overhead [--seconds 5] [--reps 3] [--sizes 16384,262144] [--shapes chat,agent,anthropic]
         [--routers ...] [--before OLD.wasm] [--module NAME=PATH ...] [--workers 2] [--cookie]
 
 `--cookie` adds `prefix-router-cookie`: the same module with session
@@ -26,6 +26,17 @@ cookie and sends it back as a client's jar does.
 `/v1/responses` (every prefix-router reads that path); `--responses` adds
 `prefix-router-named`: the same module naming each stored response after
 its replica (`affinity.response_ids`: the body copied and rewritten).
+
+`--shapes anthropic` posts the agent's turn to `/v1/messages` as a coding
+agent (Claude Code) sends it over the Anthropic Messages API, to the same
+size: tools with `input_schema`, `system` as text blocks, each call a
+`tool_use` block, each result a `tool_result` block, `cache_control`
+breakpoints on the system, the last tool and the last block of the last
+message. The backend answers it with an Anthropic message.
+
+Each filter row checks that prefix-router read every request's prompt
+(its `requests_total` less `decision.no_prompt`, against the requests
+sent); a row where it routed some unread says so.
 
 A router that served none of a cell's requests (a path it doesn't route,
 a model it doesn't know) gets a row saying what it answered instead of
@@ -109,21 +120,32 @@ COOKIES: dict[str, str] = {}
 
 @contextlib.contextmanager
 def proxy(kind: str, backend: str):
-    """Yields (target host:port, pid of the proxy or None)."""
+    """Yields (target host:port, pid of the proxy or None, a function that
+    reads how many prompts prefix-router read in that proxy, or None when
+    it runs none)."""
     if kind == "direct":
-        yield backend, None
+        yield backend, None, None
         return
     if kind in MODULES:
         # Scraping off: the echo backend has no metrics page.
-        # Every prefix-router reads the Responses API path too (a chat or
-        # agent body never goes there).
-        paths = {"inference_paths": ["/v1/completions", "/v1/chat/completions", "/v1/responses"]}
+        # Every prefix-router reads every shape's path (PATHS): the
+        # filter's default paths and the Responses API's.
+        paths = {"inference_paths": ["/v1/completions", *dict.fromkeys(PATHS.values())]}
         cfg = harness.render_config(
             "override_host", {"endpoints": [backend], **paths, **PLUGINS.get(kind, {})}, [backend],
             harness.free_port(), harness.free_port(), wasm_path=MODULES[kind],
         )
         with harness.Envoy(cfg, concurrency=WORKERS) as env:
-            yield f"127.0.0.1:{env.port}", env.proc.pid
+
+            def prompts() -> int | None:
+                # None for a module without prefix-router's counters
+                # (the body floor).
+                stats = env.stats()
+                got = {c: sum(v for k, v in stats.items() if k.endswith(c))
+                       for c in (DECISIONS, NO_PROMPT) if any(k.endswith(c) for k in stats)}
+                return got[DECISIONS] - got.get(NO_PROMPT, 0) if DECISIONS in got else None
+
+            yield f"127.0.0.1:{env.port}", env.proc.pid, prompts
         return
     router = orchestrate.Router(kind, [backend], WORKERS, 1)
     why = router.unavailable()
@@ -131,11 +153,12 @@ def proxy(kind: str, backend: str):
         raise LookupError(why)
     with router:
         pid = router.envoys[0].proc.pid if router.envoys else router.proc.pid
-        yield router.targets[0], pid
+        yield router.targets[0], pid, None
 
 
 # The path each body shape is posted to.
-PATHS = {"chat": "/v1/chat/completions", "agent": "/v1/chat/completions", "responses": "/v1/responses"}
+PATHS = {"chat": "/v1/chat/completions", "agent": "/v1/chat/completions", "responses": "/v1/responses",
+         "anthropic": "/v1/messages"}
 
 
 def run_load(target: str, concurrency: int, size: int, seconds: float, shape: str = "chat",
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--shapes", default="chat",
                     help="request bodies: chat (one plain document), agent (tools, tool calls, JSON results), "
-                         "responses (the chat document as a Responses API request)")
+                         "responses (the chat document as a Responses API request), "
+                         "anthropic (the agent's turn as an Anthropic Messages request, /v1/messages)")
     ap.add_argument("--routers", default="direct,round-robin,body-floor,prefix-router,sglang-router")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--wasm", type=Path, default=harness.WASM, help="the prefix-router module to measure")
@@ -209,16 +233,24 @@ def main(argv=None) -> int:
                 up[kind] = stack.enter_context(proxy(kind, backend))
             except LookupError as e:
                 print(f"overhead: skipping {kind}: {e}", file=sys.stderr)
-        for target, _ in up.values():
+        for target, _, _ in up.values():
             run_load(target, 4, sizes[0], 1.0)  # warm-up
         for shape, size, conc in itertools.product(a.shapes.split(","), sizes, concs):
             reps = {kind: [] for kind in up}
             for _ in range(a.reps):
-                for kind, (target, pid) in up.items():
+                for kind, (target, pid, prompts) in up.items():
                     c0 = cpu_seconds(pid) if pid else 0.0
+                    d0 = prompts() if prompts else None
                     r = run_load(target, conc, size, a.seconds, shape, COOKIES.get(kind, ""))
                     r["proxy_cpu_us_per_req"] = (
                         (cpu_seconds(pid) - c0) * 1e6 / max(r["requests"], 1) if pid else 0.0
+                    )
+                    # How many of the requests the filter read the prompt of
+                    # (1.0), not routed on load alone with the body unread
+                    # (a path not in its inference_paths costs next to
+                    # nothing: not its cost).
+                    r["read_per_req"] = (
+                        (prompts() - d0) / max(r["requests"] + r["errors"], 1) if d0 is not None else None
                     )
                     reps[kind].append(r)
             for kind, rs in reps.items():
@@ -240,6 +272,11 @@ def main(argv=None) -> int:
     return 0
 
 
+# prefix-router's counters of requests it routed, and of those it routed
+# without a prompt (the body unread: not an inference path), in Envoy's
+# stats.
+DECISIONS = "prefix_router.requests_total"
+NO_PROMPT = "prefix_router.decision.no_prompt"
 METRICS = ("rps", "p50_us", "p90_us", "p99_us", "proxy_cpu_us_per_req")
 
 
@@ -248,7 +285,7 @@ def summary(rs: list[dict]) -> dict:
     answered none of a rep's requests (one that doesn't serve the shape's
     path: smg or vllm-router without the route) has no latency to show:
     its metrics are None and `unserved` says what it answered."""
-    out = {"errors": sum(x["errors"] for x in rs), "reps": len(rs), "unserved": None}
+    out = {"errors": sum(x["errors"] for x in rs), "reps": len(rs), "unserved": None, "read_per_req": None}
     failed = [x for x in rs if x["requests"] == 0]
     if failed:
         why = next((x.get("first_error") for x in failed if x.get("first_error")), None) or "no answer"
@@ -256,6 +293,8 @@ def summary(rs: list[dict]) -> dict:
         out.update(dict.fromkeys(METRICS))
         return out
     out.update({k: statistics.median(x[k] for x in rs) for k in METRICS})
+    read = [x.get("read_per_req") for x in rs]
+    out["read_per_req"] = None if None in read else min(read)
     return out
 
 
@@ -285,8 +324,13 @@ def table(results: list[dict]) -> str:
             floor = None
         over = f"{r['p50_us'] - floor['p50_us']:+.0f}" if floor and r["router"] in MODULES and r is not floor else ""
         cpu = "" if r["router"] == "direct" else f"{r['proxy_cpu_us_per_req']:.0f}"
+        name = r["router"]
+        if r.get("read_per_req") is not None and r["read_per_req"] < 0.99:
+            # The filter routed these requests without reading them: not
+            # its cost.
+            name += f" (read {r['read_per_req']:.0%} of the prompts)"
         lines.append(
-            f"| {r['router']} | {r['size'] // 1024} KiB {r['shape']} | {r['concurrency']} | {r['p50_us']:.0f} | "
+            f"| {name} | {r['size'] // 1024} KiB {r['shape']} | {r['concurrency']} | {r['p50_us']:.0f} | "
             f"{r['p99_us']:.0f} | {added} | {over} | {r['rps']:.0f} | {cpu} | {r['errors']} |"
         )
     return "\n".join(lines)
