@@ -163,6 +163,9 @@ pub struct HttpFilter {
     /// the response it continues): the replicas the destination header
     /// listed, where its follow-ups look for it (empty when not named).
     named: Vec<ReplicaId>,
+    /// An Anthropic Messages API request (see `messages_api`): the
+    /// filter's own answers take that API's error shape.
+    anthropic: bool,
 }
 
 impl HttpFilter {
@@ -182,6 +185,7 @@ impl HttpFilter {
             content_length: false,
             creates_response: false,
             named: Vec::new(),
+            anthropic: false,
         }
     }
 
@@ -198,6 +202,7 @@ impl HttpFilter {
             let w = worker.borrow();
             let cfg = &w.router.config;
             self.priority = headers::get_str(&headers, &cfg.priority_header).map(str::to_string);
+            self.anthropic = messages_api(&headers);
             if let Some(a) = &cfg.affinity {
                 self.affinity = read_affinity(h, &w, a, &headers);
                 if let Some(name) = &a.cookie {
@@ -481,7 +486,7 @@ impl HttpFilter {
             // A reply the host wouldn't send leaves nothing to wait for:
             // the stream goes on without a destination (Envoy's own 503,
             // or its fallback policy), not paused for good.
-            Err(reject) => return !refuse(h, &w.stats, &reject),
+            Err(reject) => return !refuse(h, &w.stats, &reject, self.anthropic),
         };
         w.seq += 1;
         #[cfg(feature = "fault-injection")]
@@ -658,17 +663,48 @@ fn decide<H: Host>(
     }
 }
 
+/// A request of the Anthropic Messages API: its path (before any query)
+/// ends in `/messages` or `/messages/count_tokens`, or it names the API's
+/// version (`anthropic-version`, which Anthropic's SDKs and Claude Code
+/// send on every request, whatever the path it was given).
+fn messages_api(headers: &Pairs) -> bool {
+    let path = headers::get_str(headers, ":path").unwrap_or("");
+    let path = path.split('?').next().unwrap_or("");
+    path.ends_with("/messages")
+        || path.ends_with("/messages/count_tokens")
+        || headers::get(headers, "anthropic-version").is_some()
+}
+
+/// The error type the Messages API gives a status: a 429 is always
+/// `rate_limit_error`; a 503 is `overloaded_error`, what its clients
+/// treat as a busy service to retry (as the replicas answer on this path).
+fn anthropic_error_type(status: u32) -> &'static str {
+    match status {
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    }
+}
+
 /// Answer a request the filter won't route (counted): an OpenAI-style
-/// error body. Whether the reply was sent.
-fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject) -> bool {
+/// error body, or for a Messages API request (`anthropic`) the shape of
+/// that API's errors, which its clients parse (`type: "error"` and an
+/// `error` whose `type` is one of the API's). Whether the reply was sent.
+fn refuse<H: Host>(h: &H, s: &Stats, r: &Reject, anthropic: bool) -> bool {
     if r.status == 429 {
         s.shed_429.inc(h)
     } else {
         s.unavailable_503.inc(h)
     }
-    let body = serde_json::json!({
-        "error": {"message": r.message, "type": r.kind, "code": r.status}
-    })
+    let body = match anthropic {
+        true => serde_json::json!({
+            "type": "error",
+            "error": {"type": anthropic_error_type(r.status), "message": r.message}
+        }),
+        false => serde_json::json!({
+            "error": {"message": r.message, "type": r.kind, "code": r.status}
+        }),
+    }
     .to_string();
     let mut headers = vec![("content-type", "application/json")];
     if r.status == 429 {

@@ -460,6 +460,16 @@ fn trailers_complete_the_body() {
 /// a sheddable request (`doc(1)`): what its body callback answered, and
 /// the stream.
 fn sheddable_on_a_saturated_pool(fake: &Fake, w: &Rc<RefCell<Worker>>) -> (Action, HttpFilter) {
+    sheddable_on_a_saturated_pool_at(fake, w, &POST, &doc(1))
+}
+
+/// `sheddable_on_a_saturated_pool` with these request headers and body.
+fn sheddable_on_a_saturated_pool_at(
+    fake: &Fake,
+    w: &Rc<RefCell<Worker>>,
+    request: &[(&str, &[u8])],
+    body: &[u8],
+) -> (Action, HttpFilter) {
     let ids: Vec<ReplicaId> = POOL.iter().map(|e| id_of(e)).collect();
     let busy = ReplicaMetrics {
         waiting: 9.0,
@@ -468,10 +478,9 @@ fn sheddable_on_a_saturated_pool(fake: &Fake, w: &Rc<RefCell<Worker>>) -> (Actio
     for &id in &ids {
         record_scrape(&fake.store, id, Ok(&busy), &ids, fake.now.get()).unwrap();
     }
-    let body = doc(1);
-    let mut headers = POST.to_vec();
+    let mut headers = request.to_vec();
     headers.push(("x-prefix-router-priority", b"sheddable"));
-    fake.start(&headers, &body);
+    fake.start(&headers, body);
     let mut s = HttpFilter::new(Some(w.clone()));
     assert_eq!(s.on_request_headers(fake, false), Action::Pause);
     (s.on_request_body(fake, body.len(), true), s)
@@ -550,6 +559,93 @@ fn an_empty_pool_is_a_503_with_the_cause() {
     assert!(r.body.contains("the pool is empty"), "{}", r.body);
     assert_eq!(fake.header(Map::Request, DEST), None);
     assert_eq!(fake.stat("unavailable_503"), 1);
+}
+
+/// The body of the filter's last local reply.
+fn last_reply_json(fake: &Fake) -> (u32, serde_json::Value) {
+    let r = fake.replies.borrow().last().cloned().unwrap();
+    assert!(r
+        .headers
+        .contains(&("content-type".into(), "application/json".into())));
+    (r.status, serde_json::from_str(&r.body).unwrap())
+}
+
+/// An Anthropic Messages API client (Claude Code, the `anthropic` SDKs)
+/// reads an error as `{"type": "error", "error": {"type", "message"}}`,
+/// the type one of the API's (`rate_limit_error`, `overloaded_error`),
+/// as the replicas behind the filter answer on `/v1/messages`. Review
+/// finding: the filter's own 429 and 503 were OpenAI-shaped there
+/// (`error.type` `saturated` or `no_replica`, no top-level `type`).
+#[test]
+fn refusals_on_the_messages_api_are_in_anthropic_error_shape() {
+    let messages = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"Summarise our refund policy for a laptop bought three weeks ago, please."}]}"#;
+    let anthropic = |kind: &str, json: &serde_json::Value| {
+        assert_eq!(json["type"], "error", "{json}");
+        assert_eq!(json["error"]["type"], kind, "{json}");
+        assert!(json["error"]["message"].is_string(), "{json}");
+        assert_eq!(json.as_object().unwrap().len(), 2, "{json}");
+        assert!(json["error"].get("code").is_none(), "{json}");
+    };
+    // Shed on a saturated pool: a 429 with `retry-after`, a rate limit.
+    for path in [&b"/v1/messages"[..], b"/v1/messages?beta=true"] {
+        let fake = Fake::new();
+        let w = worker(&fake, r#","cluster":"pool""#);
+        let request = [(":method", &b"POST"[..]), (":path", path)];
+        let (action, _) = sheddable_on_a_saturated_pool_at(&fake, &w, &request, messages);
+        assert_eq!(action, Action::Pause);
+        let r = fake.replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.status, r.details.as_str()), (429, "saturated"));
+        assert!(r.headers.contains(&("retry-after".into(), "1".into())));
+        let (_, json) = last_reply_json(&fake);
+        anthropic("rate_limit_error", &json);
+        assert!(json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("saturated"));
+        assert_eq!(fake.stat("shed_429"), 1);
+    }
+    // An empty pool: a 503, overloaded (as the replicas say a 503 or 529
+    // on this API), on the inference path, on `count_tokens` (routed by
+    // load), and on any path from a client that names the API's version.
+    let fake = Fake::new();
+    let w = empty_pool(&fake);
+    for (path, extra, body) in [
+        (&b"/v1/messages"[..], None, &messages[..]),
+        (b"/v1/messages/count_tokens?beta=true", None, messages),
+        (b"/v1/completions", Some(&b"2023-06-01"[..]), &doc(1)[..]),
+    ] {
+        let mut request = vec![(":method", &b"POST"[..]), (":path", path)];
+        if let Some(v) = extra {
+            request.push(("anthropic-version", v));
+        }
+        fake.start(&request, body);
+        let replies = fake.replies.borrow().len();
+        let mut s = HttpFilter::new(Some(w.clone()));
+        // Answered at once (`count_tokens` isn't an inference path), or
+        // once the body is in; paused either way.
+        assert_eq!(s.on_request_headers(&fake, false), Action::Pause);
+        if fake.replies.borrow().len() == replies {
+            assert_eq!(s.on_request_body(&fake, body.len(), true), Action::Pause);
+        }
+        assert_eq!(fake.replies.borrow().len(), replies + 1);
+        let (status, json) = last_reply_json(&fake);
+        assert_eq!(status, 503);
+        anthropic("overloaded_error", &json);
+        assert!(json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the pool is empty"));
+    }
+    assert_eq!(fake.stat("unavailable_503"), 3);
+    // An OpenAI client's refusal keeps its shape.
+    fake.start(&POST, &doc(1));
+    let mut s = HttpFilter::new(Some(w));
+    s.on_request_headers(&fake, false);
+    assert_eq!(s.on_request_body(&fake, doc(1).len(), true), Action::Pause);
+    let (_, json) = last_reply_json(&fake);
+    assert_eq!(json["error"]["type"], "no_replica");
+    assert_eq!(json["error"]["code"], 503);
+    assert!(json.get("type").is_none());
 }
 
 #[test]

@@ -273,7 +273,18 @@ def test_saturated_pool_sheds_sheddable_requests_only():
         status, _, _ = request(envoy.port, method="GET", path="/v1/models",
                                headers=[("x-prefix-router-priority", "-1")])
         assert status == 429
-        assert envoy.stat("prefix_router.shed_429") == 2
+        # An Anthropic Messages API client gets its API's error shape.
+        messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 200}]}
+        status, headers, body = request(
+            envoy.port, path="/v1/messages?beta=true", body=messages,
+            headers=[("x-prefix-router-priority", "sheddable"), ("anthropic-version", "2023-06-01")],
+        )
+        assert status == 429
+        assert headers["retry-after"] == "1"
+        answer = json.loads(body)
+        assert answer["type"] == "error" and answer["error"]["type"] == "rate_limit_error", answer
+        assert "saturated" in answer["error"]["message"]
+        assert envoy.stat("prefix_router.shed_429") == 3
         # Load drops: nothing is shed any more.
         for b in bs:
             b.metrics = vllm_metrics(waiting=0, running=1, kv=0.2)
