@@ -33,6 +33,23 @@ fn body(bytes: usize, escaped: bool) -> String {
     )
 }
 
+/// One of the agent's 40 tools: its name, description and JSON Schema
+/// (the same in both APIs' spellings of the turn).
+fn tool(i: usize) -> (String, String, &'static str) {
+    let schema = r#"{"type":"object","properties":{"id":{"type":"string","description":"The record id, as printed on the label"},"fields":{"type":"array","items":{"type":"string"},"description":"Which fields to return; all when empty"},"since":{"type":"string","format":"date-time","description":"Only history after this instant"},"limit":{"type":"integer","minimum":1,"maximum":500}},"required":["id"]}"#;
+    let description = format!(
+        "Looks up record {i} in the inventory and returns its fields, history and owners as JSON."
+    );
+    (format!("tool_{i}"), description, schema)
+}
+
+/// Tool call `t`'s result rows: JSON inside a JSON string, escaped.
+fn rows(t: usize) -> String {
+    (0..40)
+        .map(|r| format!(r#"{{\"id\":\"r-{t}-{r}\",\"state\":\"ok\",\"owner\":\"team {r}\"}},\n"#))
+        .collect()
+}
+
 /// An agent's turn of about `bytes`: ~20 KB of `tools` (JSON Schema
 /// function definitions), a system prompt, the task, then tool calls and
 /// their results (JSON text with escaped quotes and line breaks) up to the
@@ -40,8 +57,9 @@ fn body(bytes: usize, escaped: bool) -> String {
 fn agent_body(bytes: usize) -> String {
     let tools: Vec<String> = (0..40)
         .map(|i| {
+            let (name, description, schema) = tool(i);
             format!(
-                r#"{{"type":"function","function":{{"name":"tool_{i}","description":"Looks up record {i} in the inventory and returns its fields, history and owners as JSON.","parameters":{{"type":"object","properties":{{"id":{{"type":"string","description":"The record id, as printed on the label"}},"fields":{{"type":"array","items":{{"type":"string"}},"description":"Which fields to return; all when empty"}},"since":{{"type":"string","format":"date-time","description":"Only history after this instant"}},"limit":{{"type":"integer","minimum":1,"maximum":500}}}},"required":["id"]}}}}}}"#
+                r#"{{"type":"function","function":{{"name":"{name}","description":"{description}","parameters":{schema}}}}}"#
             )
         })
         .collect();
@@ -51,11 +69,7 @@ fn agent_body(bytes: usize) -> String {
     ];
     let mut t = 0;
     while messages.iter().map(String::len).sum::<usize>() + 30_000 < bytes {
-        let rows: String = (0..40)
-            .map(|r| {
-                format!(r#"{{\"id\":\"r-{t}-{r}\",\"state\":\"ok\",\"owner\":\"team {r}\"}},\n"#)
-            })
-            .collect();
+        let rows = rows(t);
         messages.push(format!(
             r#"{{"role":"assistant","content":null,"tool_calls":[{{"id":"call_{t}","type":"function","function":{{"name":"tool_{t}","arguments":"{{\"id\":\"r-{t}\",\"limit\":40}}"}}}}]}}"#
         ));
@@ -79,9 +93,8 @@ fn anthropic_body(bytes: usize) -> String {
     const CC: &str = r#""cache_control":{"type":"ephemeral"}"#;
     let tools: Vec<String> = (0..40)
         .map(|i| {
-            format!(
-                r#"{{"name":"tool_{i}","description":"Looks up record {i} in the inventory and returns its fields, history and owners as JSON.","input_schema":{{"type":"object","properties":{{"id":{{"type":"string","description":"The record id, as printed on the label"}},"fields":{{"type":"array","items":{{"type":"string"}},"description":"Which fields to return; all when empty"}},"since":{{"type":"string","format":"date-time","description":"Only history after this instant"}},"limit":{{"type":"integer","minimum":1,"maximum":500}}}},"required":["id"]}}}}"#
-            )
+            let (name, description, schema) = tool(i);
+            format!(r#"{{"name":"{name}","description":"{description}","input_schema":{schema}}}"#)
         })
         .collect();
     let mut messages = vec![
@@ -89,11 +102,7 @@ fn anthropic_body(bytes: usize) -> String {
     ];
     let mut t = 0;
     while messages.iter().map(String::len).sum::<usize>() + 30_000 < bytes {
-        let rows: String = (0..40)
-            .map(|r| {
-                format!(r#"{{\"id\":\"r-{t}-{r}\",\"state\":\"ok\",\"owner\":\"team {r}\"}},\n"#)
-            })
-            .collect();
+        let rows = rows(t);
         messages.push(format!(
             r#"{{"role":"assistant","content":[{{"type":"tool_use","id":"toolu_{t}","name":"tool_{t}","input":{{"id":"r-{t}","limit":40}}}}]}}"#
         ));
